@@ -1,0 +1,1 @@
+"""SPELW001 <-> safetensors converters, installed as ``spel_mlx.converters``."""
