@@ -1,0 +1,139 @@
+"""Tokenizers: a SentencePiece model (the shipped default) and the original's
+128-symbol ASCII byte vocabulary (for vocab-128 SPELW001 files).
+
+Common interface: ``encode(str) -> list[int]``, ``decode(list[int]) -> str``,
+``vocab_size``, ``name``.  ``load_tokenizer(vocab, path)`` picks by the
+checkpoint's vocabulary size.
+
+    python -m spel_mlx.tokenizer train --input data/corpus/train.txt --vocab 2048 --out spel_mlx/assets/tokenizer.model
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+
+ASSETS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "assets")
+DEFAULT_SP_MODEL = os.path.join(ASSETS, "tokenizer.model")
+
+
+class TokenizerError(ValueError):
+    """Tokenizer file missing/invalid or not matching the checkpoint's vocabulary."""
+
+
+class ByteTokenizer:
+    """The original SPEL vocabulary: token id = ASCII code, 128 symbols.
+
+    Characters outside ASCII encode as '?' (id 63); ids outside 0..127 decode to
+    nothing (a model with this vocab never produces them).
+    """
+    name = "ascii-bytes"
+    vocab_size = 128
+
+    def encode(self, text: str) -> list:
+        return [o if o < 128 else 63 for o in map(ord, text)]
+
+    def decode(self, ids) -> str:
+        return "".join(chr(int(i)) for i in ids if 0 <= int(i) < 128)
+
+    def id_to_piece(self, i: int) -> str:
+        return chr(int(i)) if 0 <= int(i) < 128 else ""
+
+
+class SentencePieceTokenizer:
+    """A SentencePiece model; identity normalization so decode(encode(s)) == s
+    for ASCII text (unknown characters fall back to byte pieces)."""
+
+    def __init__(self, path: str = DEFAULT_SP_MODEL):
+        import sentencepiece as spm
+        if not os.path.exists(path):
+            raise TokenizerError(f"{path}: SentencePiece model not found")
+        self.path = path
+        self.sp = spm.SentencePieceProcessor()
+        try:
+            ok = self.sp.Load(path)
+        except Exception as e:  # sentencepiece raises OSError/RuntimeError on bad files
+            raise TokenizerError(f"{path}: not a SentencePiece model ({e})") from None
+        if not ok:
+            raise TokenizerError(f"{path}: not a SentencePiece model")
+        self.vocab_size = int(self.sp.GetPieceSize())
+        self.name = f"sentencepiece-{self.vocab_size}"
+
+    def encode(self, text: str) -> list:
+        return list(self.sp.EncodeAsIds(text))
+
+    def decode(self, ids) -> str:
+        return self.sp.DecodeIds([int(i) for i in ids])
+
+    def id_to_piece(self, i: int) -> str:
+        return self.sp.IdToPiece(int(i))
+
+
+def load_tokenizer(vocab: int, path: str | None = None):
+    """Tokenizer for a checkpoint with vocabulary ``vocab``.
+
+    vocab 128 -> ByteTokenizer; otherwise a SentencePiece model at ``path``
+    (default: the shipped spel_mlx/assets/tokenizer.model) whose size must equal vocab.
+    """
+    if vocab == 128 and path is None:
+        return ByteTokenizer()
+    tok = SentencePieceTokenizer(path or DEFAULT_SP_MODEL)
+    if tok.vocab_size != vocab:
+        raise TokenizerError(f"{tok.path}: tokenizer has {tok.vocab_size} pieces but the checkpoint's "
+                             f"vocab is {vocab}")
+    return tok
+
+
+def train_sentencepiece(input_txt: str, out_model: str, vocab: int = 2048,
+                        threads: int = 2, max_lines: int = 0) -> SentencePieceTokenizer:
+    """Train a BPE SentencePiece model on input_txt (one paragraph per line);
+    write it atomically to out_model."""
+    import sentencepiece as spm
+    if not (256 < vocab <= 65536):
+        raise TokenizerError(f"vocab={vocab}: must be in 257..65536 (256 byte-fallback pieces)")
+    if not os.path.exists(input_txt):
+        raise TokenizerError(f"{input_txt}: training text not found (run python -m spel_mlx.corpus)")
+    out_dir = os.path.dirname(os.path.abspath(out_model))
+    os.makedirs(out_dir, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=out_dir) as tmp:
+        prefix = os.path.join(tmp, "sp")
+        spm.SentencePieceTrainer.Train(
+            input=input_txt, model_prefix=prefix, vocab_size=vocab, model_type="bpe",
+            character_coverage=1.0, byte_fallback=True, normalization_rule_name="identity",
+            remove_extra_whitespaces=False, add_dummy_prefix=False, split_digits=True, user_defined_symbols=["\n"],
+            unk_id=0, bos_id=-1, eos_id=-1, pad_id=-1, max_sentence_length=1 << 16,
+            input_sentence_size=max_lines, shuffle_input_sentence=True,
+            num_threads=threads, minloglevel=2)
+        os.replace(prefix + ".model", out_model)
+    return SentencePieceTokenizer(out_model)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m spel_mlx.tokenizer")
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    t = sub.add_parser("train", help="train the SentencePiece model on the training split")
+    t.add_argument("--input", default="data/corpus/train.txt")
+    t.add_argument("--vocab", type=int, default=2048)
+    t.add_argument("--out", default=DEFAULT_SP_MODEL)
+    e = sub.add_parser("encode", help="print token ids of a text")
+    e.add_argument("text")
+    e.add_argument("--vocab", type=int, default=0, help="128 for the ASCII byte vocabulary")
+    a = ap.parse_args(argv)
+    try:
+        if a.cmd == "train":
+            tok = train_sentencepiece(a.input, a.out, a.vocab)
+            print(f"wrote {a.out} ({tok.vocab_size} pieces)")
+        else:
+            tok = ByteTokenizer() if a.vocab == 128 else SentencePieceTokenizer()
+            ids = tok.encode(a.text)
+            print(" ".join(map(str, ids)))
+            print(" | ".join(tok.id_to_piece(i) for i in ids))
+    except TokenizerError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
