@@ -1,0 +1,64 @@
+"""Zero-parameter n-gram (prompt-lookup) drafter.
+
+Proposal: find the most recent earlier occurrence of the context's last n
+tokens (n from `max_n` down to `min_n`) and copy the tokens that followed it.
+The context is everything the target has seen plus the pending token, so the
+lookup also finds repeats in the generated text itself.
+
+An index of n-gram -> last end position is kept incrementally, so a lookup is
+O(max_n) dictionary probes, not a scan of the context.
+"""
+from __future__ import annotations
+
+
+class NgramIndex:
+    """Incremental map from each n-gram (min_n..max_n) to where it last ended."""
+
+    def __init__(self, min_n: int = 2, max_n: int = 4):
+        if not (1 <= min_n <= max_n):
+            raise ValueError(f"n-gram sizes must satisfy 1 <= min_n <= max_n (got {min_n}, {max_n})")
+        self.min_n, self.max_n = min_n, max_n
+        self.tokens: list = []
+        self._last: dict = {}   # (n-gram tuple) -> index just past its most recent end
+
+    def reset(self):
+        self.tokens = []
+        self._last = {}
+
+    def extend(self, tokens):
+        for t in tokens:
+            self.append(int(t))
+
+    def append(self, token: int):
+        toks = self.tokens
+        toks.append(token)
+        end = len(toks)
+        # Register the n-grams ending *before* the newest token: an n-gram is a
+        # usable match only when at least one token follows it.
+        for n in range(self.min_n, self.max_n + 1):
+            start = end - 1 - n
+            if start < 0:
+                break
+            self._last[tuple(toks[start:end - 1])] = end - 1
+
+    def lookup(self, k: int) -> list:
+        """Up to k tokens that followed the latest earlier occurrence of the longest
+        matching suffix; [] when none matches."""
+        toks = self.tokens
+        L = len(toks)
+        for n in range(min(self.max_n, L), self.min_n - 1, -1):
+            pos = self._last.get(tuple(toks[L - n:]))
+            if pos is not None:
+                return toks[pos:pos + k]
+        return []
+
+
+def propose_ngram(context, k: int, min_n: int = 2, max_n: int = 4) -> list:
+    """Stateless reference lookup (scans the context; used by tests)."""
+    L = len(context)
+    for n in range(min(max_n, L - 1), min_n - 1, -1):
+        suffix = list(context[L - n:])
+        for start in range(L - n - 1, -1, -1):
+            if list(context[start:start + n]) == suffix:
+                return list(context[start + n:start + n + k])
+    return []

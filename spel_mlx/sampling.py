@@ -1,0 +1,161 @@
+"""Token selection: greedy, temperature / top-k / top-p / repetition penalty,
+and the lossless speculative-sampling acceptance rule.
+
+Everything here is numpy on one position's logits (vocabularies are small), so
+draft and target distributions go through exactly the same code: the same
+`SamplingParams`, the same history, the same float64 arithmetic.  That is what
+keeps speculative sampling lossless when a repetition penalty is on.
+
+Speculative sampling (Leviathan et al. / Chen et al.): the draft samples d from
+q; the target accepts it with probability min(1, p(d)/q(d)); on rejection the
+replacement is drawn from normalize(max(0, p - q)).  The emitted token is then
+distributed exactly as p.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+
+class SamplingError(ValueError):
+    """A sampling parameter is out of range."""
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 0.0        # 0 = greedy (argmax)
+    top_k: int = 0                  # 0 = off
+    top_p: float = 1.0              # 1 = off
+    repetition_penalty: float = 1.0  # 1 = off; CTRL-style: positive logits / r, negative * r
+    repetition_window: int = 64     # how many recent tokens the penalty looks at
+    seed: int | None = None
+
+    def validate(self) -> "SamplingParams":
+        if not (self.temperature >= 0.0) or not np.isfinite(self.temperature):
+            raise SamplingError(f"temperature={self.temperature!r}: must be >= 0")
+        if not isinstance(self.top_k, int) or self.top_k < 0:
+            raise SamplingError(f"top_k={self.top_k!r}: must be an integer >= 0 (0 = off)")
+        if not (0.0 < self.top_p <= 1.0):
+            raise SamplingError(f"top_p={self.top_p!r}: must be in (0, 1]")
+        if not (self.repetition_penalty > 0.0) or not np.isfinite(self.repetition_penalty):
+            raise SamplingError(f"repetition_penalty={self.repetition_penalty!r}: must be > 0")
+        if not isinstance(self.repetition_window, int) or self.repetition_window < 0:
+            raise SamplingError(f"repetition_window={self.repetition_window!r}: must be >= 0")
+        return self
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    @property
+    def uses_penalty(self) -> bool:
+        return self.repetition_penalty != 1.0 and self.repetition_window > 0
+
+
+GREEDY = SamplingParams()
+
+
+def make_rng(seed: int | None) -> np.random.Generator:
+    """The one RNG a decoding call uses (draft draws, accept tests, residual draws)."""
+    return np.random.Generator(np.random.PCG64(seed))
+
+
+def penalize(logits: np.ndarray, recent_tokens, penalty: float) -> np.ndarray:
+    """Repetition penalty on a copy of `logits` for every distinct token in `recent_tokens`."""
+    out = np.array(logits, dtype=np.float64, copy=True)
+    if penalty == 1.0 or len(recent_tokens) == 0:
+        return out
+    idx = np.unique(np.asarray(recent_tokens, dtype=np.int64))
+    idx = idx[(idx >= 0) & (idx < out.shape[-1])]
+    vals = out[idx]
+    out[idx] = np.where(vals > 0, vals / penalty, vals * penalty)
+    return out
+
+
+def recent(history, params: SamplingParams):
+    """The window of history the penalty sees (same rule for draft and target)."""
+    if not params.uses_penalty:
+        return ()
+    w = params.repetition_window
+    return history[-w:] if len(history) > w else history
+
+
+def adjusted_logits(logits, history, params: SamplingParams) -> np.ndarray:
+    """Logits after the repetition penalty (float64)."""
+    return penalize(logits, recent(history, params), params.repetition_penalty)
+
+
+def greedy_token(logits, history, params: SamplingParams) -> int:
+    if params.uses_penalty:
+        return int(np.argmax(adjusted_logits(logits, history, params)))
+    return int(np.argmax(logits))
+
+
+def probabilities(logits, history, params: SamplingParams) -> np.ndarray:
+    """The sampling distribution (float64, sums to 1) after penalty, temperature,
+    top-k and top-p.  Greedy params give the one-hot argmax distribution."""
+    z = adjusted_logits(logits, history, params)
+    V = z.shape[-1]
+    if params.greedy:
+        p = np.zeros(V)
+        p[int(np.argmax(z))] = 1.0
+        return p
+    z = z / params.temperature
+    if params.top_k and params.top_k < V:
+        # keep the k largest; ties at the boundary are kept (stable, order-free)
+        kth = np.partition(z, V - params.top_k)[V - params.top_k]
+        z = np.where(z >= kth, z, -np.inf)
+    z = z - np.max(z)
+    p = np.exp(z)
+    p /= p.sum()
+    if params.top_p < 1.0:
+        order = np.argsort(-p, kind="stable")
+        csum = np.cumsum(p[order])
+        # smallest prefix whose mass reaches top_p (always at least one token)
+        keep = int(np.searchsorted(csum, params.top_p, side="left")) + 1
+        mask = np.zeros(V, dtype=bool)
+        mask[order[:keep]] = True
+        p = np.where(mask, p, 0.0)
+        p /= p.sum()
+    return p
+
+
+def draw(p: np.ndarray, rng: np.random.Generator) -> int:
+    """One draw from a normalized distribution by inverse CDF (one uniform)."""
+    c = np.cumsum(p)
+    u = rng.random() * c[-1]
+    i = int(np.searchsorted(c, u, side="right"))
+    return min(i, p.shape[0] - 1)
+
+
+def residual(p: np.ndarray, q: np.ndarray) -> np.ndarray:
+    """normalize(max(0, p - q)); falls back to p when p == q (cannot reject then)."""
+    r = np.maximum(p - q, 0.0)
+    s = r.sum()
+    if s <= 0.0:
+        return p
+    return r / s
+
+
+def accept_or_resample(p: np.ndarray, q: np.ndarray, token: int,
+                       rng: np.random.Generator) -> tuple:
+    """Speculative sampling test for one drafted `token` ~ q against target p.
+
+    Returns (True, token) on acceptance, else (False, replacement ~ residual).
+    Consumes one uniform for the test and, on rejection, one for the draw.
+    """
+    qt = q[token]
+    pt = p[token]
+    if qt <= 0.0:  # the draft could not have drawn it; treat as a rejection
+        return False, draw(residual(p, q), rng)
+    if rng.random() < min(1.0, pt / qt):
+        return True, token
+    return False, draw(residual(p, q), rng)
+
+
+def one_hot(token: int, V: int) -> np.ndarray:
+    """Draft distribution of a deterministic proposer (n-gram, greedy draft)."""
+    q = np.zeros(V)
+    q[token] = 1.0
+    return q
