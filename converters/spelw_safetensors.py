@@ -1,0 +1,314 @@
+"""SPELW001 <-> safetensors model folder (HF / mlx-lm style).
+
+Folder form: ``model.safetensors`` holding every layout tensor under its
+``spel_mlx.layout`` name (F32 by default), the golden footer as ``golden.tokens``
+(U32 [n]), ``golden.target_logits`` and ``golden.draft_logits`` (F32 [n, V]),
+and the config in ``__metadata__``; ``config.json`` beside it repeats the config.
+
+SPELW001 -> folder -> SPELW001 is byte-identical: the header is rebuilt from the
+config (floats as exact decimal reprs of the stored f32 values) and the flags,
+and tensor bytes are copied unchanged.  Both directions stream tensor by tensor
+from a memory map, dropping each tensor's pages once written.
+"""
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+
+from spel_mlx.config import ConfigError, ModelConfig
+from spel_mlx.layout import GOLDEN_DRAFT, GOLDEN_TARGET, GOLDEN_TOKENS, tensor_specs
+from spel_mlx.spelw import (FLAG_GOLDEN, HEADER_SIZE, AtomicFile, CheckpointError, Golden, Progress,
+                            SpelwWriter, read_spelw)
+
+from .safetensors_io import FLOAT_DTYPES, INT_DTYPES, SafetensorsFile, write_safetensors
+
+MODEL_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+CONFIG_FILE = "config.json"
+GOLDEN_NAMES = (GOLDEN_TOKENS, GOLDEN_TARGET, GOLDEN_DRAFT)
+# Config fields stored in a SPELW001 header (spec_k is runtime-only), in header order.
+HEADER_FIELDS = ("d_model", "n_layers", "n_heads", "head_dim", "d_ff", "vocab", "max_seq",
+                 "attn_period", "rope_theta", "norm_eps", "draft_map")
+META_CONFIG, META_FLAGS, META_FORMAT, META_DTYPE = "spel.config", "spel.flags", "spel.format", "spel.dtype"
+
+
+def config_fields(cfg: ModelConfig) -> dict:
+    d = {k: getattr(cfg, k) for k in HEADER_FIELDS}
+    d["draft_map"] = list(cfg.draft_map)
+    return d
+
+
+def config_from_fields(d, path, field: str, offset: int | None = None) -> ModelConfig:
+    """ModelConfig from a parsed JSON object with exactly typed header fields."""
+    if not isinstance(d, dict):
+        raise CheckpointError(path, "config must be a JSON object", offset=offset, field=field)
+    kw = {}
+    for k in HEADER_FIELDS:
+        if k not in d:
+            raise CheckpointError(path, f"config lacks {k!r}", offset=offset, field=field)
+        v = d[k]
+        if k == "draft_map":
+            ok = isinstance(v, list) and all(isinstance(x, int) and not isinstance(x, bool) for x in v)
+            v = tuple(v) if ok else v
+        elif k in ("rope_theta", "norm_eps"):
+            ok = isinstance(v, (int, float)) and not isinstance(v, bool)
+            v = float(v) if ok else v
+        else:
+            ok = isinstance(v, int) and not isinstance(v, bool)
+        if not ok:
+            raise CheckpointError(path, f"config {k}={v!r} has the wrong type", offset=offset, field=field)
+        kw[k] = v
+    try:
+        return ModelConfig(**kw).validate()
+    except ConfigError as e:
+        raise CheckpointError(path, f"invalid config: {e}", offset=offset, field=field) from None
+
+
+def config_json(cfg: ModelConfig, dtype: str = "float32") -> dict:
+    out = {"model_type": "spel", "architectures": ["SpelModel"], "checkpoint_format": "SPELW001"}
+    out.update(config_fields(cfg))
+    out["torch_dtype"] = dtype
+    return out
+
+
+def _st_files(src: str):
+    """The .safetensors files of a folder (index.json shards, model.safetensors, or
+    the folder's only .safetensors file) or the file itself."""
+    if os.path.isdir(src):
+        idx = os.path.join(src, INDEX_FILE)
+        if os.path.exists(idx):
+            try:
+                with open(idx, encoding="utf-8") as f:
+                    wm = json.load(f)["weight_map"]
+                files = sorted(set(wm.values()))
+            except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+                raise CheckpointError(idx, f"bad shard index: {e}", field="weight_map") from None
+            return [os.path.join(src, x) for x in files], src
+        main = os.path.join(src, MODEL_FILE)
+        if os.path.exists(main):
+            return [main], src
+        found = sorted(x for x in os.listdir(src) if x.endswith(".safetensors"))
+        if len(found) != 1:
+            raise CheckpointError(src, f"expected {MODEL_FILE} (or one .safetensors file) in the folder, "
+                                  f"found {found or 'none'}")
+        return [os.path.join(src, found[0])], src
+    if not os.path.exists(src):
+        raise CheckpointError(src, "no such file or folder")
+    return [src], os.path.dirname(os.path.abspath(src))
+
+
+class SafetensorsModel:
+    """A safetensors checkpoint (file or folder) checked against the SPEL layout."""
+
+    def __init__(self, src):
+        src = os.fspath(src)
+        self.src = src
+        paths, folder = _st_files(src)
+        self.files = [SafetensorsFile(p) for p in paths]
+        self.entries = {}
+        for sf in self.files:
+            for name, e in sf.entries.items():
+                if name in self.entries:
+                    raise CheckpointError(sf.path, f"tensor {name} also appears in {self.entries[name].file.path}",
+                                          offset=e.start, field=name)
+                self.entries[name] = e
+        main = self.files[0]
+        self.metadata = dict(main.metadata)
+        self.cfg = self._config(main, folder)
+        self._check_layout()
+        self.flags = FLAG_GOLDEN if self.has_golden else 0
+        if META_FLAGS in self.metadata:
+            try:
+                mflags = int(self.metadata[META_FLAGS])
+            except ValueError:
+                mflags = None
+            if mflags != self.flags:
+                raise CheckpointError(main.path, f"__metadata__ {META_FLAGS}={self.metadata[META_FLAGS]!r} disagrees "
+                                      f"with the tensors (golden tensors {'present' if self.has_golden else 'absent'})",
+                                      offset=8, field=META_FLAGS)
+
+    def _config(self, main: SafetensorsFile, folder: str) -> ModelConfig:
+        meta_cfg = None
+        if META_CONFIG in self.metadata:
+            try:
+                d = json.loads(self.metadata[META_CONFIG])
+            except ValueError as e:
+                raise CheckpointError(main.path, f"__metadata__ {META_CONFIG} is not JSON: {e}", offset=8,
+                                      field=META_CONFIG) from None
+            meta_cfg = config_from_fields(d, main.path, f"__metadata__.{META_CONFIG}", 8)
+        cj = os.path.join(folder, CONFIG_FILE)
+        json_cfg = None
+        if os.path.exists(cj):
+            try:
+                with open(cj, encoding="utf-8") as f:
+                    d = json.load(f)
+            except (OSError, ValueError) as e:
+                raise CheckpointError(cj, f"bad JSON: {e}", field="config.json") from None
+            json_cfg = config_from_fields(d, cj, "config.json")
+        if meta_cfg is None and json_cfg is None:
+            raise CheckpointError(main.path, f"no model config: neither __metadata__['{META_CONFIG}'] "
+                                  f"nor {CONFIG_FILE} beside it", offset=8, field="__metadata__")
+        if meta_cfg is not None and json_cfg is not None and meta_cfg != json_cfg:
+            diff = [k for k in HEADER_FIELDS if getattr(meta_cfg, k) != getattr(json_cfg, k)]
+            raise CheckpointError(cj, f"config.json contradicts {main.path} __metadata__ on {', '.join(diff)}",
+                                  field=diff[0])
+        return meta_cfg if meta_cfg is not None else json_cfg
+
+    def _err(self, e, what):
+        raise CheckpointError(e.file.path, f"tensor {e.name}: {what}", offset=e.start, field=e.name)
+
+    def _check_layout(self):
+        cfg, ents = self.cfg, self.entries
+        specs = tensor_specs(cfg)
+        names = {s.name for s in specs}
+        missing = [s.name for s in specs if s.name not in ents]
+        if missing:
+            more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""
+            raise CheckpointError(self.files[0].path, f"missing tensors {', '.join(missing[:5])}{more}",
+                                  offset=8, field=missing[0])
+        extra = [n for n in ents if n not in names and n not in GOLDEN_NAMES]
+        if extra:
+            more = f" and {len(extra) - 5} more" if len(extra) > 5 else ""
+            raise CheckpointError(ents[extra[0]].file.path, f"unexpected tensors {', '.join(extra[:5])}{more} "
+                                  f"(not in the layout of this config)", offset=8, field=extra[0])
+        for s in specs:
+            e = ents[s.name]
+            if e.dtype not in FLOAT_DTYPES:
+                self._err(e, f"dtype {e.dtype}, expected one of {', '.join(FLOAT_DTYPES)}")
+            if e.shape != s.shape:
+                self._err(e, f"shape {list(e.shape)}, expected {list(s.shape)}")
+        present = [n for n in GOLDEN_NAMES if n in ents]
+        if present and len(present) != 3:
+            absent = [n for n in GOLDEN_NAMES if n not in ents]
+            raise CheckpointError(ents[present[0]].file.path, f"incomplete golden footer: {', '.join(absent)} missing",
+                                  offset=8, field=absent[0])
+        self.has_golden = bool(present)
+        if self.has_golden:
+            t = ents[GOLDEN_TOKENS]
+            if t.dtype not in INT_DTYPES:
+                self._err(t, f"dtype {t.dtype}, expected U32")
+            if len(t.shape) != 1 or t.shape[0] < 1:
+                self._err(t, f"shape {list(t.shape)}, expected [n] with n >= 1")
+            n = t.shape[0]
+            for name in (GOLDEN_TARGET, GOLDEN_DRAFT):
+                e = ents[name]
+                if e.dtype not in FLOAT_DTYPES:
+                    self._err(e, f"dtype {e.dtype}, expected F32")
+                if e.shape != (n, cfg.vocab):
+                    self._err(e, f"shape {list(e.shape)}, expected [{n}, {cfg.vocab}]")
+            tok = t.file.raw(GOLDEN_TOKENS)
+            bad = np.nonzero((tok < 0) | (tok >= cfg.vocab))[0]
+            if bad.size:
+                i = int(bad[0])
+                raise CheckpointError(t.file.path, f"golden token {int(tok[i])} out of range 0..{cfg.vocab - 1}",
+                                      offset=t.start + i * (t.end - t.start) // n, field=f"{GOLDEN_TOKENS}[{i}]")
+
+    @property
+    def stored_dtypes(self) -> set:
+        return {self.entries[s.name].dtype for s in tensor_specs(self.cfg)}
+
+    def f32(self, name) -> np.ndarray:
+        return self.entries[name].file.f32(name)
+
+    def release(self, name):
+        self.entries[name].file.release(name)
+
+    def golden(self) -> Golden | None:
+        if not self.has_golden:
+            return None
+        t = self.entries[GOLDEN_TOKENS].file.raw(GOLDEN_TOKENS)
+        return Golden(t if t.dtype == np.dtype("<u4") else t.astype("<u4"), self.f32(GOLDEN_TARGET),
+                      self.f32(GOLDEN_DRAFT))
+
+    @property
+    def nbytes(self) -> int:
+        return sum(e.end - e.start for e in self.entries.values())
+
+
+def _make_dir(dst_dir):
+    created = not os.path.exists(dst_dir)
+    if os.path.exists(dst_dir) and not os.path.isdir(dst_dir):
+        raise CheckpointError(dst_dir, "destination exists and is not a folder")
+    if os.path.exists(os.path.join(dst_dir, INDEX_FILE)):
+        raise CheckpointError(dst_dir, f"destination holds a sharded model ({INDEX_FILE}); choose an empty folder")
+    os.makedirs(dst_dir, exist_ok=True)
+    return created
+
+
+def spelw_to_safetensors(src, dst_dir, dtype: str = "F32", progress=None, golden: Golden | None = None):
+    """Convert a SPELW001 file into a model folder ``dst_dir``.
+
+    ``dtype`` F16/BF16 round the weights (golden logits stay F32); the caller must
+    then pass ``golden`` recomputed for the rounded weights (``python -m
+    spel_mlx.convert --dtype`` does), since the footer describes the stored values.
+    """
+    dtype = dtype.upper()
+    if dtype not in FLOAT_DTYPES:
+        raise ValueError(f"dtype {dtype!r}: expected one of {', '.join(FLOAT_DTYPES)}")
+    sp = read_spelw(src)
+    cfg = sp.cfg
+    g = golden if golden is not None else sp.golden
+    flags = FLAG_GOLDEN if g is not None else 0
+    meta = {"format": "mlx", META_FORMAT: "SPELW001",
+            META_CONFIG: json.dumps(config_fields(cfg), separators=(",", ":")), META_FLAGS: str(flags)}
+    if dtype != "F32":
+        meta[META_DTYPE] = dtype
+    entries = [(s.name, dtype, s.shape, (lambda n=s.name: sp.tensors[n])) for s in tensor_specs(cfg)]
+    if g is not None:
+        n, V = g.n, cfg.vocab
+        entries += [(GOLDEN_TOKENS, "U32", (n,), lambda: g.tokens),
+                    (GOLDEN_TARGET, "F32", (n, V), lambda: g.target_logits),
+                    (GOLDEN_DRAFT, "F32", (n, V), lambda: g.draft_logits)]
+
+    def drop(name):
+        if name in sp.spans:
+            sp.release(*sp.spans[name])
+
+    created = _make_dir(dst_dir)
+    try:
+        # config.json is staged first so both files appear only if the big one succeeds
+        cj = AtomicFile(os.path.join(dst_dir, CONFIG_FILE))
+        try:
+            cj.f.write((json.dumps(config_json(cfg, {"F32": "float32", "F16": "float16", "BF16": "bfloat16"}[dtype]),
+                                   indent=2) + "\n").encode())
+            write_safetensors(os.path.join(dst_dir, MODEL_FILE), entries, meta, progress=progress, after_each=drop)
+            cj.commit()
+        finally:
+            cj.abort()
+    except BaseException:
+        if created:
+            try:
+                os.rmdir(dst_dir)
+            except OSError:
+                pass
+        raise
+    return os.path.join(dst_dir, MODEL_FILE)
+
+
+def safetensors_to_spelw(src, dst, progress=None):
+    """Convert a safetensors model (folder or file) into a SPELW001 file.
+
+    F16/BF16 tensors are widened to F32 exactly (every F16/BF16 value is an F32 value).
+    """
+    st = SafetensorsModel(src)
+    cfg = st.cfg
+    g = st.golden()
+    with SpelwWriter(dst, cfg, progress=progress) as w:
+        for s in tensor_specs(cfg):
+            w.write_tensor(s.name, st.f32(s.name))
+            st.release(s.name)
+        if g is not None:
+            w.write_golden(g)
+    return dst
+
+
+def spelw_size(cfg: ModelConfig, golden_n: int | None) -> int:
+    from spel_mlx.spelw import footer_nbytes
+    return HEADER_SIZE + sum(s.nbytes for s in tensor_specs(cfg)) + (footer_nbytes(golden_n, cfg.vocab)
+                                                                     if golden_n else 0)
+
+
+__all__ = ["spelw_to_safetensors", "safetensors_to_spelw", "SafetensorsModel", "Progress", "config_json",
+           "MODEL_FILE", "CONFIG_FILE"]
