@@ -112,8 +112,9 @@ def probabilities(logits, history, params: SamplingParams) -> np.ndarray:
     if params.top_p < 1.0:
         order = np.argsort(-p, kind="stable")
         csum = np.cumsum(p[order])
-        # smallest prefix whose mass reaches top_p (always at least one token)
-        keep = int(np.searchsorted(csum, params.top_p, side="left")) + 1
+        # smallest prefix whose mass reaches top_p (always at least one token;
+        # the 1e-12 absorbs summation rounding at an exact boundary)
+        keep = int(np.searchsorted(csum, params.top_p - 1e-12, side="left")) + 1
         mask = np.zeros(V, dtype=bool)
         mask[order[:keep]] = True
         p = np.where(mask, p, 0.0)

@@ -1,0 +1,174 @@
+"""Sampling transforms and the lossless speculative-sampling rule.
+
+The statistical tests draw >= 10^4 samples with a fixed seed and compare the
+emitted distribution against the target's with a chi-square statistic; a
+deliberately wrong rule is checked to FAIL the same test, so the test has power.
+"""
+import math
+
+import numpy as np
+import pytest
+
+import spel_mlx  # noqa: F401
+from spel_mlx import sampling as smp
+
+
+def chi2_critical(df: int, alpha: float = 1e-3) -> float:
+    """Upper critical value of chi-square (Wilson-Hilferty; within ~1% for df >= 3)."""
+    z = {1e-3: 3.0902, 1e-2: 2.3263}[alpha]
+    return df * (1 - 2 / (9 * df) + z * math.sqrt(2 / (9 * df))) ** 3
+
+
+def chi2_stat(counts: np.ndarray, probs: np.ndarray) -> tuple:
+    n = counts.sum()
+    keep = probs > 0
+    assert counts[~keep].sum() == 0, "a token with zero target probability was emitted"
+    exp = probs[keep] * n
+    return float(((counts[keep] - exp) ** 2 / exp).sum()), int(keep.sum() - 1)
+
+
+def softmax(z):
+    z = np.asarray(z, dtype=np.float64)
+    e = np.exp(z - z.max())
+    return e / e.sum()
+
+
+# --- transforms ---------------------------------------------------------------
+
+def test_greedy_is_one_hot_argmax():
+    logits = np.array([0.1, 2.0, -1.0, 1.9])
+    p = smp.probabilities(logits, [], smp.GREEDY)
+    assert p.tolist() == [0, 1, 0, 0]
+    assert smp.greedy_token(logits, [], smp.GREEDY) == 1
+
+
+def test_temperature_scales_logits():
+    logits = np.array([1.0, 2.0, 3.0])
+    p = smp.probabilities(logits, [], smp.SamplingParams(temperature=0.5))
+    np.testing.assert_allclose(p, softmax(logits / 0.5), rtol=1e-12)
+
+
+def test_top_k_keeps_exactly_k():
+    logits = np.array([0.0, 5.0, 1.0, 4.0, 3.0, -2.0])
+    p = smp.probabilities(logits, [], smp.SamplingParams(temperature=1.0, top_k=3))
+    assert set(np.nonzero(p)[0].tolist()) == {1, 3, 4}
+    np.testing.assert_allclose(p[[1, 3, 4]], softmax(logits[[1, 3, 4]]), rtol=1e-12)
+
+
+def test_top_p_keeps_smallest_prefix_reaching_mass():
+    probs = np.array([0.5, 0.3, 0.15, 0.05])
+    logits = np.log(probs)
+    for top_p, kept in ((0.5, 1), (0.51, 2), (0.8, 2), (0.81, 3), (0.96, 4), (1.0, 4)):
+        p = smp.probabilities(logits, [], smp.SamplingParams(temperature=1.0, top_p=top_p))
+        assert int((p > 0).sum()) == kept, (top_p, p)
+        np.testing.assert_allclose(p.sum(), 1.0)
+
+
+def test_repetition_penalty_ctrl_rule_and_window():
+    logits = np.array([2.0, -1.0, 3.0, 0.5])
+    params = smp.SamplingParams(repetition_penalty=2.0, repetition_window=2)
+    z = smp.adjusted_logits(logits, [2, 0, 1], params)  # window sees [0, 1] only
+    assert z.tolist() == [1.0, -2.0, 3.0, 0.5]
+    assert smp.greedy_token(logits, [2, 0, 1], params) == 2
+    assert smp.greedy_token(logits, [1, 2], params) == 0  # 3/2 = 1.5 < 2
+
+
+@pytest.mark.parametrize("bad", [dict(temperature=-1), dict(top_p=0.0), dict(top_p=1.5),
+                                 dict(top_k=-1), dict(repetition_penalty=0.0)])
+def test_invalid_params_rejected(bad):
+    with pytest.raises(smp.SamplingError):
+        smp.SamplingParams(**bad).validate()
+
+
+def test_draw_is_seeded_and_exact():
+    p = np.array([0.2, 0.0, 0.8])
+    a = [smp.draw(p, r) for r in [smp.make_rng(7)] for _ in range(100)]
+    b = [smp.draw(p, r) for r in [smp.make_rng(7)] for _ in range(100)]
+    assert a == b
+    assert 1 not in a
+
+
+def test_residual():
+    p = np.array([0.5, 0.3, 0.2])
+    q = np.array([0.2, 0.6, 0.2])
+    np.testing.assert_allclose(smp.residual(p, q), [1.0, 0.0, 0.0])
+    np.testing.assert_allclose(smp.residual(p, p), p)
+
+
+# --- lossless speculative sampling (statistical) ----------------------------------
+
+N_DRAWS = 20000
+
+
+def _emit(p, q, rng, rule):
+    d = smp.draw(q, rng)
+    ok, tok = rule(p, q, d, rng)
+    return tok
+
+
+def _wrong_rule(p, q, token, rng):
+    # resampling from p instead of the residual is biased (it double-counts q's mass)
+    if rng.random() < min(1.0, p[token] / q[token]):
+        return True, token
+    return False, smp.draw(p, rng)
+
+
+def _cases():
+    rng = np.random.default_rng(1234)
+    V = 8
+    target_logits = rng.normal(size=V) * 1.5
+    draft_logits = target_logits + rng.normal(size=V)  # a correlated but wrong draft
+    history = [3, 3, 5]
+    for params in (smp.SamplingParams(temperature=1.0),
+                   smp.SamplingParams(temperature=0.7, top_k=5, top_p=0.9, repetition_penalty=1.3)):
+        p = smp.probabilities(target_logits, history, params)
+        q = smp.probabilities(draft_logits, history, params)
+        yield params, p, q
+
+
+@pytest.mark.parametrize("case", range(2))
+def test_speculative_sampling_matches_target_distribution(case):
+    params, p, q = list(_cases())[case]
+    rng = smp.make_rng(2024)
+    counts = np.zeros(p.shape[0])
+    for _ in range(N_DRAWS):
+        counts[_emit(p, q, rng, smp.accept_or_resample)] += 1
+    stat, df = chi2_stat(counts, p)
+    print(f"chi2={stat:.2f} df={df} critical(0.001)={chi2_critical(df):.2f}")
+    assert stat < chi2_critical(df)
+
+
+def test_point_mass_draft_is_lossless():
+    # n-gram and greedy drafts propose deterministically: q is one-hot
+    params, p, _ = list(_cases())[0]
+    rng = smp.make_rng(5)
+    counts = np.zeros(p.shape[0])
+    for i in range(N_DRAWS):
+        q = smp.one_hot(i % 3, p.shape[0])  # proposals vary, always a point mass
+        counts[_emit(p, q, rng, smp.accept_or_resample)] += 1
+    stat, df = chi2_stat(counts, p)
+    assert stat < chi2_critical(df)
+
+
+def test_wrong_rule_fails_the_same_test():
+    params, p, q = list(_cases())[0]
+    rng = smp.make_rng(2024)
+    counts = np.zeros(p.shape[0])
+    for _ in range(N_DRAWS):
+        counts[_emit(p, q, rng, _wrong_rule)] += 1
+    stat, df = chi2_stat(counts, p)
+    assert stat > 10 * chi2_critical(df)
+
+
+def test_acceptance_rate_is_overlap():
+    # E[accept] = sum_x min(p(x), q(x))
+    _, p, q = list(_cases())[0]
+    rng = smp.make_rng(9)
+    acc = 0
+    for _ in range(N_DRAWS):
+        d = smp.draw(q, rng)
+        ok, _ = smp.accept_or_resample(p, q, d, rng)
+        acc += ok
+    expect = np.minimum(p, q).sum()
+    sd = math.sqrt(expect * (1 - expect) / N_DRAWS)
+    assert abs(acc / N_DRAWS - expect) < 4 * sd
