@@ -1,0 +1,151 @@
+"""Decoding state of one stack (target or draft), kept apart from the model.
+
+* attention layer: K and V caches ``[max_seq, H, hd]`` (rotated k, v);
+* GDN layer: a ring of R slots (R = K+1 by default), each slot holding the
+  recurrent state S ``[H, hd, hd]`` and the conv tail ``[2, d]``.
+
+The committed state is ring slot ``read`` and KV rows ``[0, pos)``.  A forward
+writes the state after its j-th token into slot ``(read + pending + 1 + j) % R``
+and KV row ``pos + pending + j``; ``pending`` counts tokens forwarded since the
+last commit, so several forwards (e.g. a draft proposing one token at a time)
+chain without committing.  ``commit(n)`` then moves ``read`` and ``pos``: no
+array is copied or created, rejected tokens are simply overwritten later
+(KV rows past ``pos`` are masked).  Writing R pending tokens reuses the
+committed slot itself (SPEC 4: a K+1 batch fills all K+1 slots), so after that
+only ``commit`` (n >= 1) or ``restore`` is allowed, not ``discard``.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .config import ModelConfig
+
+import mlx.core as mx  # noqa: E402  (spel_mlx is imported first: BLAS loaded)
+
+
+class StateError(ValueError):
+    """Misuse of a DecodeState (commit out of range, past max_seq, ...)."""
+
+
+@dataclass
+class Snapshot:
+    """Committed state: references to the committed GDN slot arrays and
+    copies of the KV rows [0, pos)."""
+    stack: str
+    pos: int
+    gdn: dict     # layer -> (S, tail), the committed slot's own arrays
+    kv: dict      # layer -> (K [pos,H,hd], V [pos,H,hd])
+
+
+class DecodeState:
+    def __init__(self, cfg: ModelConfig, stack: str = "target", ring: int | None = None):
+        if stack == "target":
+            kinds = [cfg.layer_kind(i) for i in range(cfg.n_layers)]
+        elif stack == "draft":
+            kinds = [cfg.layer_kind(i) for i in cfg.draft_map]
+        else:
+            raise StateError(f"stack must be 'target' or 'draft', not {stack!r}")
+        ring = cfg.spec_k + 1 if ring is None else int(ring)
+        if ring < 2:
+            raise StateError(f"ring={ring}: needs at least 2 slots (K >= 1)")
+        self.cfg, self.stack, self.ring, self.kinds = cfg, stack, ring, kinds
+        self.max_seq = cfg.max_seq
+        H, hd, d = cfg.n_heads, cfg.head_dim, cfg.d_model
+        self.gdn_layers = [i for i, k in enumerate(kinds) if k == "gdn"]
+        self.attn_layers = [i for i, k in enumerate(kinds) if k == "attn"]
+        # every slot holds arrays from the start: commit never has to create one
+        self.ring_S = {i: [mx.zeros((H, hd, hd)) for _ in range(ring)] for i in self.gdn_layers}
+        self.ring_tail = {i: [mx.zeros((2, d)) for _ in range(ring)] for i in self.gdn_layers}
+        self.k_cache = {i: mx.zeros((self.max_seq, H, hd)) for i in self.attn_layers}
+        self.v_cache = {i: mx.zeros((self.max_seq, H, hd)) for i in self.attn_layers}
+        mx.eval(list(self.k_cache.values()), list(self.v_cache.values()),
+                [s for v in self.ring_S.values() for s in v], [t for v in self.ring_tail.values() for t in v])
+        self.read = 0       # ring slot of the committed GDN state
+        self.pos = 0        # committed tokens (= KV rows in use)
+        self.pending = 0    # tokens forwarded since the last commit
+
+    # --- what the model uses ----------------------------------------------------
+    def check_room(self, M: int) -> None:
+        if M < 1:
+            raise StateError("forward needs at least one token")
+        if self.pending + M > self.ring:
+            raise StateError(f"{M} token(s) on top of {self.pending} pending exceed the ring of "
+                             f"{self.ring} slots: commit first (or use a larger ring)")
+        if self.pos + self.pending + M > self.max_seq:
+            raise StateError(f"position {self.pos + self.pending + M - 1} is past max_seq={self.max_seq}")
+
+    def current_gdn(self, layer: int):
+        """(S, tail) the next token starts from: the last written slot."""
+        slot = (self.read + self.pending) % self.ring
+        return self.ring_S[layer][slot], self.ring_tail[layer][slot]
+
+    def write_gdn(self, layer: int, S_list, tail_list) -> None:
+        """Store the states after each new token in the slots after the current one."""
+        for j, (S, tail) in enumerate(zip(S_list, tail_list)):
+            slot = (self.read + self.pending + 1 + j) % self.ring
+            self.ring_S[layer][slot] = S
+            self.ring_tail[layer][slot] = tail
+
+    def kv(self, layer: int):
+        return self.k_cache[layer], self.v_cache[layer]
+
+    def set_kv(self, layer: int, k_cache, v_cache) -> None:
+        self.k_cache[layer], self.v_cache[layer] = k_cache, v_cache
+
+    def advance(self, M: int) -> None:
+        self.pending += M
+
+    # --- transactions -------------------------------------------------------------
+    def commit(self, n: int) -> None:
+        """Accept the first n pending tokens: moves indices only."""
+        if not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= self.pending:
+            raise StateError(f"commit({n!r}): must be in 1..{self.pending} (tokens pending)")
+        self.read = (self.read + n) % self.ring
+        self.pos += n
+        self.pending = 0
+
+    def discard(self) -> None:
+        """Drop all pending tokens (commit nothing)."""
+        if self.pending >= self.ring:
+            raise StateError(f"discard: the {self.pending} pending tokens overwrote the committed "
+                             f"slot (ring of {self.ring}); commit at least one or restore a snapshot")
+        self.pending = 0
+
+    def committed_gdn(self, layer: int):
+        """(S, tail) of the committed slot: the slot's own array objects."""
+        return self.ring_S[layer][self.read], self.ring_tail[layer][self.read]
+
+    def snapshot(self) -> Snapshot:
+        if self.pending:
+            raise StateError("snapshot needs a committed state (commit or discard the pending tokens)")
+        gdn = {i: self.committed_gdn(i) for i in self.gdn_layers}
+        # copies, so later in-place KV writes past pos cannot touch the snapshot
+        kv = {i: (mx.array(self.k_cache[i][:self.pos]), mx.array(self.v_cache[i][:self.pos]))
+              for i in self.attn_layers} if self.pos else {i: None for i in self.attn_layers}
+        mx.eval([a for p in kv.values() if p for a in p])
+        return Snapshot(self.stack, self.pos, gdn, kv)
+
+    def restore(self, snap: Snapshot) -> None:
+        if snap.stack != self.stack or set(snap.gdn) != set(self.gdn_layers) or set(snap.kv) != set(self.attn_layers):
+            raise StateError("restore: the snapshot belongs to another stack/config")
+        for i, (S, tail) in snap.gdn.items():
+            self.ring_S[i][self.read] = S
+            self.ring_tail[i][self.read] = tail
+        if snap.pos:
+            for i, (K, V) in snap.kv.items():
+                self.k_cache[i][:snap.pos] = K
+                self.v_cache[i][:snap.pos] = V
+        self.pos, self.pending = snap.pos, 0
+
+    def reset(self) -> None:
+        """Back to the empty state (position 0, zero S and conv tails)."""
+        H, hd, d = self.cfg.n_heads, self.cfg.head_dim, self.cfg.d_model
+        self.read = self.pos = self.pending = 0
+        for i in self.gdn_layers:
+            self.ring_S[i][0] = mx.zeros((H, hd, hd))
+            self.ring_tail[i][0] = mx.zeros((2, d))
+        # KV rows past pos are masked: nothing to clear
+
+    def __repr__(self):
+        return (f"DecodeState(stack={self.stack!r}, pos={self.pos}, pending={self.pending}, "
+                f"read={self.read}, ring={self.ring})")

@@ -1,0 +1,219 @@
+"""The MLX model against the independent numpy reference, strict/fast modes,
+weights round trip, parameter counts."""
+import numpy as np
+import pytest
+
+import spel_mlx  # noqa: F401  (BLAS before mlx)
+import mlx.core as mx
+from spel_mlx import layout
+from spel_mlx.config import PRESETS, ModelConfig
+from spel_mlx.model import SpelModel, init_weights
+
+from reference import forward_reference
+
+# both layer types in target (3 GDN + 1 attention per period) and in the draft
+SMALL = ModelConfig(d_model=64, n_layers=6, n_heads=2, head_dim=32, d_ff=96, vocab=64,
+                    max_seq=160, attn_period=3, draft_map=(0, 2, 4), spec_k=4)
+
+
+@pytest.fixture(scope="module")
+def small():
+    w = init_weights(SMALL, seed=7)
+    return w, SpelModel.from_weights(SMALL, w)
+
+
+def tokens(n, seed=0, vocab=SMALL.vocab):
+    return np.random.default_rng(seed).integers(0, vocab, n)
+
+
+def decode_batches(model, toks, stack, strict, batch):
+    st = model.new_state(stack)
+    out = []
+    for i in range(0, len(toks), batch):
+        chunk = toks[i:i + batch]
+        out.append(np.array(model.forward(chunk, st, strict=strict)))
+        st.commit(len(chunk))
+    return np.concatenate(out)
+
+
+@pytest.mark.parametrize("stack", ["target", "draft"])
+@pytest.mark.parametrize("strict,batch", [(True, 1), (False, 5), (True, 5)])
+def test_matches_numpy_reference(small, stack, strict, batch):
+    w, model = small
+    toks = tokens(72, seed=1)
+    ref = forward_reference(SMALL, w, toks, stack=stack)
+    got = decode_batches(model, toks, stack, strict, batch)
+    assert got.shape == ref.shape == (72, SMALL.vocab)
+    assert np.abs(ref).max() > 1.0          # realistic logit scale, not a vacuous check
+    assert np.abs(got - ref).max() < 1e-4
+
+
+def test_reference_matvec_hook_sees_every_linear(small):
+    w, _ = small
+    seen = set()
+
+    def mv(name, W, x):
+        seen.add(name)
+        return W @ x
+    forward_reference(SMALL, w, tokens(2), stack="draft", matvec=mv)
+    want = {s.name for s in layout.draft_specs(SMALL) if s.name.split(".")[-2] in
+            ("wqkv", "wo", "w1", "w2", "w3")}
+    assert seen == want
+
+
+def test_prefill_returns_last_logits(small):
+    w, model = small
+    toks = tokens(13, seed=3)
+    st = model.new_state("target")
+    last = np.array(model.prefill(toks, st))
+    assert st.pos == 13 and st.pending == 0
+    ref = forward_reference(SMALL, w, toks)
+    assert np.abs(last - ref[-1]).max() < 1e-4
+
+
+def _bytes_differ(a, b):
+    a = np.ascontiguousarray(np.array(a, dtype=np.float32))
+    b = np.ascontiguousarray(np.array(b, dtype=np.float32))
+    assert a.shape == b.shape
+    return int(np.count_nonzero(a.view(np.uint32) != b.view(np.uint32)))
+
+
+@pytest.mark.parametrize("stack", ["target", "draft"])
+def test_strict_batch_bit_identical_to_single_steps(small, stack):
+    _, model = small
+    prompt, batch = tokens(11, seed=4), tokens(5, seed=5)
+    a = model.new_state(stack)
+    model.prefill(prompt, a, strict=True)
+    batched = model.forward(batch, a, strict=True)
+    b = model.new_state(stack)
+    model.prefill(prompt, b, strict=True)
+    singles = []
+    for t in batch:
+        singles.append(model.forward([t], b))
+        b.commit(1)
+    singles = mx.concatenate(singles)
+    assert batched.size >= 256 + 64 and batched.dtype == mx.float32
+    assert _bytes_differ(batched, singles) == 0
+
+
+def test_fast_batch_close_and_argmax_equal(small):
+    _, model = small
+    prompt, batch = tokens(21, seed=6), tokens(5, seed=8)
+    a, b = model.new_state(), model.new_state()
+    model.prefill(prompt, a, strict=True)
+    model.prefill(prompt, b, strict=True)
+    fast = np.array(model.forward(batch, a, strict=False))
+    strict = np.array(model.forward(batch, b, strict=True))
+    assert np.abs(fast - strict).max() < 1e-4
+    assert (fast.argmax(-1) == strict.argmax(-1)).all()
+
+
+def test_rollback_then_continue_equals_prefix_from_scratch(small):
+    _, model = small
+    prompt, proposal, after = tokens(9, seed=9), tokens(5, seed=10), tokens(12, seed=11)
+    for n in (1, 3, 5):
+        a = model.new_state()
+        model.prefill(prompt, a, strict=True)
+        model.forward(proposal, a, strict=True)
+        a.commit(n)                      # rollback of 5 - n tokens
+        b = model.new_state()
+        model.prefill(np.concatenate([prompt, proposal[:n]]), b, strict=True)
+        assert (a.pos, b.pos) == (9 + n, 9 + n)
+        for i in range(0, len(after), 4):
+            chunk = after[i:i + 4]
+            la = model.forward(chunk, a, strict=True)
+            a.commit(len(chunk))
+            lb = []
+            for t in chunk:
+                lb.append(model.forward([t], b))
+                b.commit(1)
+            lb = mx.concatenate(lb)
+            assert _bytes_differ(la, lb) == 0
+
+
+def test_chained_uncommitted_forwards(small):
+    """Draft-style proposal: single-token forwards chained without commit."""
+    _, model = small
+    prompt, prop = tokens(7, seed=12), tokens(5, seed=13)
+    a, b = model.new_state("draft"), model.new_state("draft")
+    model.prefill(prompt, a, strict=True)
+    model.prefill(prompt, b, strict=True)
+    chained = mx.concatenate([model.forward([t], a) for t in prop])
+    assert a.pending == 5
+    batched = model.forward(prop, b, strict=True)
+    assert _bytes_differ(chained, batched) == 0
+    a.commit(2)
+    assert a.pos == 9
+
+
+def test_capture_gdn_qk(small):
+    _, model = small
+    for strict in (True, False):
+        st = model.new_state()
+        cap = {}
+        model.forward(tokens(4, seed=14), st, strict=strict, capture=cap)
+        assert sorted(cap) == SMALL.gdn_layers
+        for d in cap.values():
+            assert d["q"].shape == d["k"].shape == (4, SMALL.n_heads, SMALL.head_dim)
+            norms = np.linalg.norm(np.array(d["k"]), axis=-1)
+            assert np.allclose(norms, 1.0, atol=1e-4)
+
+
+def test_weights_roundtrip_and_names(small):
+    w, model = small
+    got = model.weights_dict()
+    assert list(got) == [s.name for s in layout.tensor_specs(SMALL)]
+    assert all(got[k].dtype == np.float32 and np.array_equal(got[k], w[k]) for k in w)
+
+
+def test_load_rejects_wrong_weights(small):
+    w, _ = small
+    bad = dict(w)
+    del bad["lm_head.weight"]
+    with pytest.raises(ValueError, match="lm_head.weight"):
+        SpelModel.from_weights(SMALL, bad)
+    bad = dict(w)
+    bad["layers.0.mixer.conv"] = np.zeros((2, SMALL.d_model), np.float32)
+    with pytest.raises(ValueError, match="layers.0.mixer.conv"):
+        SpelModel.from_weights(SMALL, bad)
+
+
+def test_token_out_of_range(small):
+    _, model = small
+    with pytest.raises(ValueError, match="out of range"):
+        model.forward([SMALL.vocab], model.new_state())
+
+
+def test_set_ops_is_used(small):
+    _, model = small
+    from spel_mlx.model import MLXOps
+
+    class Counting(MLXOps):
+        calls = 0
+
+        def attend(self, *a):
+            Counting.calls += 1
+            return super().attend(*a)
+    ref = np.array(model.forward(tokens(5), model.new_state()))
+    model.set_ops(Counting())
+    try:
+        got = np.array(model.forward(tokens(5), model.new_state()))
+    finally:
+        model.set_ops(None)
+    assert Counting.calls == len(SMALL.attention_layers)
+    assert _bytes_differ(got, ref) == 0
+
+
+def test_parameter_counts_21m_module_tree():
+    """The MLX module tree itself has exactly the SPEC 2 counts (not run)."""
+    from mlx.utils import tree_flatten
+    cfg = PRESETS["21m"]
+    model = SpelModel(cfg)
+    params = dict(tree_flatten(model.parameters()))
+    assert {k: tuple(v.shape) for k, v in params.items()} == \
+        {s.name: s.shape for s in layout.tensor_specs(cfg)}
+    target = sum(v.size for k, v in params.items() if not k.startswith("draft."))
+    draft = sum(v.size for k, v in params.items() if k.startswith("draft."))
+    assert (target, draft) == (21_352_044, 7_084_452)
+    gdn0 = sum(v.size for k, v in params.items() if k.startswith("layers.0.mixer."))
+    assert gdn0 == 590_988
