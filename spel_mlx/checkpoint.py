@@ -1,0 +1,82 @@
+"""Load a checkpoint in either form: a SPELW001 file or a safetensors model folder.
+
+``load_checkpoint(path)`` returns the config read from the checkpoint, the weights
+dict (float32, memory-mapped views where the file stores F32; F16/BF16 tensors are
+widened to float32 copies), the golden footer if any, and where it came from.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from .config import ModelConfig
+from .layout import tensor_specs
+from .spelw import MAGIC, CheckpointError, Golden, read_spelw
+
+DEFAULT_DIR = Path(__file__).resolve().parent / "assets" / "default"
+DEFAULT_MODEL_FILE = "model.safetensors"
+
+
+@dataclass
+class Checkpoint:
+    cfg: ModelConfig
+    weights: dict            # name -> np.float32 array, layout order
+    golden: Golden | None
+    source: str              # the path that was loaded
+    format: str = "spelw"    # "spelw" | "safetensors"
+    stored_dtype: str = "F32"  # on-disk dtype of the weights ("F32", "F16", "BF16" or "mixed")
+    file_size: int = 0       # bytes on disk (all files of a folder)
+
+    @property
+    def target_params(self) -> int:
+        return self.cfg.target_params()
+
+    @property
+    def draft_params(self) -> int:
+        return self.cfg.draft_params()
+
+
+def default_checkpoint_dir() -> Path:
+    """The shipped default model folder; raises CheckpointError when none is installed."""
+    if not (DEFAULT_DIR / DEFAULT_MODEL_FILE).is_file():
+        raise CheckpointError(
+            DEFAULT_DIR, f"no trained checkpoint is installed ({DEFAULT_MODEL_FILE} missing). Install one with "
+            f"`python -m spel_mlx.convert TRAINED.spelw {DEFAULT_DIR}`, or pass a checkpoint path / set "
+            f"SPEL_WEIGHTS; for a random model run `python -m spel_mlx.synth --preset 21m --seed 0 --out m.spelw`")
+    return DEFAULT_DIR
+
+
+def resolve_checkpoint_path(path=None) -> str:
+    """``path``, else $SPEL_WEIGHTS, else the shipped default folder."""
+    if path:
+        return os.fspath(path)
+    env = os.environ.get("SPEL_WEIGHTS", "").strip()
+    if env:
+        return env
+    return str(default_checkpoint_dir())
+
+
+def is_spelw(path) -> bool:
+    try:
+        with open(path, "rb") as f:
+            return f.read(8) == MAGIC
+    except OSError:
+        return False
+
+
+def load_checkpoint(path=None) -> Checkpoint:
+    """Load a SPELW001 file or a safetensors model folder / file (see module doc)."""
+    path = resolve_checkpoint_path(path)
+    if not os.path.exists(path):
+        raise CheckpointError(path, "no such file or folder")
+    if os.path.isdir(path) or (path.endswith(".safetensors") and not is_spelw(path)):
+        from .converters import SafetensorsModel
+
+        st = SafetensorsModel(path)
+        weights = {s.name: st.f32(s.name) for s in tensor_specs(st.cfg)}
+        dts = st.stored_dtypes
+        return Checkpoint(st.cfg, weights, st.golden(), path, "safetensors",
+                          dts.pop() if len(dts) == 1 else "mixed", sum(f.size for f in st.files))
+    sp = read_spelw(path)
+    return Checkpoint(sp.cfg, sp.tensors, sp.golden, path, "spelw", "F32", sp.file_size)

@@ -1,0 +1,109 @@
+"""Convert checkpoints between SPELW001 and a safetensors model folder.
+
+    python -m spel_mlx.convert SRC DST [--dtype f32|f16|bf16] [--quiet]
+
+Direction by SRC: a folder or a ``.safetensors`` file -> DST is a SPELW001 file;
+any other file (``.spelw``, ``.bin``, ...) is read as SPELW001 -> DST is a folder
+(``model.safetensors`` + ``config.json``).  Streams tensor by tensor; output is
+written to temp files and renamed, so a failure leaves nothing behind.
+``--dtype f16|bf16`` (SPELW001 -> folder only) rounds the weights and recomputes
+the golden logits for the rounded weights.  Exit 2 on bad input, one line on stderr.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from .config import ConfigError
+from .spelw import CheckpointError, Progress
+
+
+def direction(src: str) -> str:
+    """'st2spelw' or 'spelw2st'."""
+    if os.path.isdir(src) or (src.endswith(".safetensors") and not _starts_with_spelw(src)):
+        return "st2spelw"
+    return "spelw2st"
+
+
+def _starts_with_spelw(path) -> bool:
+    from .checkpoint import is_spelw
+    return is_spelw(path)
+
+
+def rounded_golden(src: str, dtype: str, progress: bool):
+    """Golden logits for the weights as they will be stored in ``dtype``."""
+    import numpy as np
+
+    from .converters.safetensors_io import bf16_bits_to_f32, f32_to_bf16_bits
+    from .golden import compute_golden
+    from .spelw import Golden, read_spelw
+
+    sp = read_spelw(src)
+    if sp.golden is None:
+        return None
+    if dtype == "F16":
+        w = {k: np.asarray(v).astype(np.float16).astype(np.float32) for k, v in sp.tensors.items()}
+    else:
+        w = {k: bf16_bits_to_f32(f32_to_bf16_bits(np.asarray(v))) for k, v in sp.tensors.items()}
+    if progress:
+        sys.stderr.write(f"convert: recomputing golden logits for {dtype}-rounded weights\n")
+    tl, dl = compute_golden(sp.cfg, w, sp.golden.tokens)
+    return Golden(np.array(sp.golden.tokens), tl, dl)
+
+
+def convert(src: str, dst: str, dtype: str = "F32", progress: bool = True) -> str:
+    from .converters import safetensors_to_spelw, spelw_to_safetensors
+    from .converters.spelw_safetensors import SafetensorsModel, spelw_size
+
+    if not os.path.exists(src):
+        raise CheckpointError(src, "no such file or folder")
+    if os.path.abspath(src) == os.path.abspath(dst):
+        raise CheckpointError(dst, "destination is the source")
+    if direction(src) == "st2spelw":
+        if dtype != "F32":
+            raise ConfigError("--dtype applies to SPELW001 -> safetensors only (SPELW001 stores FP32)")
+        if os.path.isdir(dst):
+            raise CheckpointError(dst, "destination is a folder; a SPELW001 file path is expected")
+        st = SafetensorsModel(src)  # validated here, before anything is created
+        g = st.golden()
+        total = spelw_size(st.cfg, g.n if g is not None else None)
+        prog = Progress(f"convert {os.path.basename(os.path.normpath(src))} -> {os.path.basename(dst)}",
+                        total, enabled=progress)
+        del st, g
+        safetensors_to_spelw(src, dst, progress=prog)
+        return "safetensors -> SPELW001"
+    if os.path.exists(dst) and not os.path.isdir(dst):
+        raise CheckpointError(dst, "destination is a file; a folder is expected for SPELW001 -> safetensors")
+    golden = rounded_golden(src, dtype, progress) if dtype != "F32" else None
+    prog = Progress(f"convert {os.path.basename(src)} -> {os.path.basename(os.path.normpath(dst))}",
+                    os.path.getsize(src), enabled=progress)
+    spelw_to_safetensors(src, dst, dtype=dtype, progress=prog, golden=golden)
+    return f"SPELW001 -> safetensors ({dtype})"
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m spel_mlx.convert", description=__doc__.split("\n\n")[0])
+    ap.add_argument("src")
+    ap.add_argument("dst")
+    ap.add_argument("--dtype", default="f32", type=str.upper, choices=("F32", "F16", "BF16"))
+    ap.add_argument("--quiet", action="store_true")
+    a = ap.parse_args(argv)
+    try:
+        what = convert(a.src, a.dst, a.dtype, progress=not a.quiet)
+    except (CheckpointError, ConfigError, ValueError) as e:
+        print(f"convert: error: {e}", file=sys.stderr)
+        return 2
+    except OSError as e:
+        print(f"convert: error: {e.filename or a.dst}: {e.strerror or e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("convert: interrupted (no output written)", file=sys.stderr)
+        return 130
+    if not a.quiet:
+        print(f"convert: {what}: {a.src} -> {a.dst}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

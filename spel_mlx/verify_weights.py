@@ -1,0 +1,114 @@
+"""Verify a checkpoint against its golden footer (SPEC 6).
+
+    python -m spel_mlx.verify_weights FILE [--config k=v,...]
+
+Loads FILE (SPELW001 or a safetensors folder), runs the golden tokens one per
+position from a reset state through the target (MLX) and the quantized draft,
+and compares with the stored logits.  PASS iff target argmax n/n and target
+max_abs < SPEL_VERIFY_TOL (default 1e-3); the draft is reported, not gated.
+
+Exit status: 0 PASS, 1 FAIL, 2 malformed input or configuration (one line on
+stderr naming the file, the field or tensor and the byte offset), 3 internal error.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import numpy as np
+
+from .config import ConfigError, resolve_config
+from .spelw import CheckpointError
+
+DEFAULT_TOL = 1e-3
+
+
+def _mb(n_params: int) -> str:
+    return f"{4 * n_params / 1e6:.2f} MB ({4 * n_params / 2**20:.2f} MiB)"
+
+
+def compare(ref: np.ndarray, got: np.ndarray) -> tuple:
+    """(max |Δlogit|, positions whose argmax agrees)."""
+    diff = np.abs(np.asarray(got, np.float64) - np.asarray(ref, np.float64))
+    max_abs = float(diff.max()) if np.isfinite(diff).all() else float("nan")
+    agree = int((np.argmax(got, axis=1) == np.argmax(ref, axis=1)).sum())
+    return max_abs, agree
+
+
+def tolerance(environ=None) -> float:
+    raw = (os.environ if environ is None else environ).get("SPEL_VERIFY_TOL", "").strip()
+    if not raw:
+        return DEFAULT_TOL
+    try:
+        tol = float(raw)
+    except ValueError:
+        raise ConfigError(f"SPEL_VERIFY_TOL={raw!r}: not a number") from None
+    if not tol > 0:
+        raise ConfigError(f"SPEL_VERIFY_TOL={raw!r}: must be positive")
+    return tol
+
+
+def verify(path, config: str | None = None, draft: str = "auto", out=sys.stdout) -> bool:
+    from .checkpoint import load_checkpoint
+    from .golden import compute_draft, compute_target, golden_backends
+
+    tol = tolerance()
+    ck = load_checkpoint(path)
+    try:
+        cfg = resolve_config(checkpoint=ck.cfg, overrides=config)
+    except ConfigError as e:
+        raise ConfigError(f"{ck.source}: {e}") from None
+    p = lambda *a: print(*a, file=out, flush=True)  # noqa: E731
+    fmt = "SPELW001" if ck.format == "spelw" else f"safetensors ({ck.stored_dtype})"
+    p(f"checkpoint: {ck.source} [{fmt}]")
+    p("config: " + ", ".join(f"{k}={v}" for k, v in cfg.to_dict().items() if k != "spec_k"))
+    p(f"target params: {cfg.target_params():,}  FP32 {_mb(cfg.target_params())}")
+    p(f"draft params:  {cfg.draft_params():,}  FP32 {_mb(cfg.draft_params())}  (shared embedding/norm/head excluded)")
+    p(f"file size: {ck.file_size:,} bytes ({ck.file_size / 2**20:.2f} MiB)")
+    if ck.golden is None:
+        p("golden: none (no SPELV001 footer / golden.* tensors)")
+        p("FAIL: nothing to verify against")
+        return False
+    g = ck.golden
+    n = g.n
+    tokens = np.asarray(g.tokens)
+    p(f"golden: n={n} tokens")
+    target = compute_target(cfg, ck.weights, tokens)
+    t_abs, t_agree = compare(g.target_logits, target)
+    p(f"target: max_abs={t_abs:.3e}  argmax {t_agree}/{n}")
+    draft_l = compute_draft(cfg, ck.weights, tokens, prefer=draft)
+    d_abs, d_agree = compare(g.draft_logits, draft_l)
+    p(f"draft (quantized, {golden_backends()['draft']}): max_abs={d_abs:.3e}  argmax {d_agree}/{n}")
+    ok = t_agree == n and t_abs < tol
+    p(f"tolerance: {tol:g}")
+    p("PASS" if ok else "FAIL")
+    return ok
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m spel_mlx.verify_weights", description=__doc__.split("\n\n")[0])
+    ap.add_argument("file", nargs="?", default=None, help="SPELW001 file or safetensors folder "
+                    "(default: $SPEL_WEIGHTS, then the shipped default)")
+    ap.add_argument("--config", default=None, help="k=v,... (must agree with the checkpoint header)")
+    ap.add_argument("--draft", choices=("auto", "c", "numpy"), default="auto")
+    a = ap.parse_args(argv)
+    try:
+        ok = verify(a.file, a.config, a.draft)
+    except (CheckpointError, ConfigError) as e:
+        print(f"verify_weights: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("verify_weights: interrupted", file=sys.stderr)
+        return 130
+    except Exception as e:  # one line, no traceback (SPEL_DEBUG=1 re-raises)
+        if os.environ.get("SPEL_DEBUG") == "1":
+            raise
+        msg = str(e).splitlines()[0] if str(e) else ""
+        print(f"verify_weights: internal error: {type(e).__name__}: {msg}", file=sys.stderr)
+        return 3
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
