@@ -347,3 +347,543 @@ def containment(notes: list, needles: list) -> int:
 
 def hit_at_r(top: list, lo: int, hi: int) -> bool:
     return any(contains(n, lo, hi) for n in top)
+
+
+# =========================================================================== model glue
+# Everything below runs the MLX model (spel_mlx.model / state); imported lazily so the
+# pure parts above stay usable without it.
+
+def gdn_channel_count(model_cfg) -> int:
+    """C = (GDN layers) x heads: the channels a note stores coordinates for."""
+    return len(model_cfg.gdn_layers) * model_cfg.n_heads
+
+
+def _stack_capture(capture: dict, gdn_layers: list):
+    """capture[layer] = {"q","k"} [M,H,hd] -> numpy q, k [M, C, hd], channel = g*H + h."""
+    import mlx.core as mx
+    qs = [capture[i]["q"] for i in gdn_layers]
+    ks = [capture[i]["k"] for i in gdn_layers]
+    mx.eval(qs, ks)
+    q = np.concatenate([np.asarray(a, np.float32).reshape(a.shape[0], -1, a.shape[-1]) for a in qs], 1)
+    k = np.concatenate([np.asarray(a, np.float32).reshape(a.shape[0], -1, a.shape[-1]) for a in ks], 1)
+    return q, k
+
+
+def run_captured(model, state, tokens, strict: bool = False, on_piece=None):
+    """Feed ``tokens`` through the target in pieces of at most the ring size, with
+    activation capture, committing each piece. Returns ``(q, k, last_logits)``:
+    q, k numpy ``[T, C, hd]`` over the GDN channels, last logits numpy ``[V]``
+    (None for no tokens). ``on_piece(start, q, k)`` sees each piece as it arrives."""
+    import mlx.core as mx
+    tokens = [int(t) for t in tokens]
+    C, hd = gdn_channel_count(model.cfg), model.cfg.head_dim
+    gdn = state.gdn_layers
+    qs, ks, logits = [], [], None
+    for i in range(0, len(tokens), state.ring):
+        piece = tokens[i:i + state.ring]
+        cap: dict = {}
+        out = model.forward(piece, state, strict=strict, capture=cap)
+        state.commit(len(piece))
+        q, k = _stack_capture(cap, gdn)
+        if on_piece is not None:
+            on_piece(i, q, k)
+        qs.append(q)
+        ks.append(k)
+        logits = out
+    if logits is not None:
+        mx.eval(logits)
+        logits = np.asarray(logits[-1], np.float32)
+    empty = np.zeros((0, C, hd), np.float32)
+    return (np.concatenate(qs) if qs else empty), (np.concatenate(ks) if ks else empty), logits
+
+
+def feed(model, state, tokens, strict: bool = False):
+    """Prefill ``tokens`` (committing them) and return the last logits as numpy [V]."""
+    import mlx.core as mx
+    tokens = [int(t) for t in tokens]
+    if not tokens:
+        return None
+    out = model.prefill(tokens, state, strict=strict)
+    mx.eval(out)
+    return np.asarray(out, np.float32)
+
+
+def token_rank(logits: np.ndarray, token: int) -> int:
+    """1-based rank of ``token`` under ``logits`` (1 = argmax; ties count in its favour)."""
+    logits = np.asarray(logits, np.float32)
+    return int((logits > logits[token]).sum()) + 1
+
+
+class Branch:
+    """``with Branch(state):`` snapshots the committed state and restores it on exit,
+    so whatever the block feeds (retrieval, replay, reading) leaves no trace."""
+
+    def __init__(self, state):
+        self.state = state
+        self.snap = None
+
+    def __enter__(self):
+        self.snap = self.state.snapshot()
+        return self
+
+    def __exit__(self, *exc):
+        self.state.restore(self.snap)
+        return False
+
+
+@dataclass
+class WriteReport:
+    tokens: int
+    chunks: int
+    notes: int
+    forward_s: float           # model forward with capture
+    writer_s: float            # writer math over the captured keys
+    native_s: float = 0.0      # extra cost of native-replay payloads (opt-in)
+
+
+class NoteBank:
+    """Episodic memory over one target model.
+
+    ``write(state, tokens)`` prefills the context into ``state`` (committing it) with
+    capture and writes notes chunk by chunk; ``retrieve(state, query)`` runs the query
+    in a branch with capture and ranks the notes; ``replay_tokens`` / ``replay_native``
+    put selected notes back in front of a query (inside a branch when the caller wants
+    the committed state untouched)."""
+
+    def __init__(self, model, cfg: NoteBankConfig | None = None, native_payload: bool = False,
+                 strict: bool = False):
+        self.model = model
+        self.cfg = (cfg or NoteBankConfig()).validate()
+        self.strict = strict
+        self.native_payload = native_payload
+        self.writer = NoteWriter(self.cfg, gdn_channel_count(model.cfg), model.cfg.head_dim)
+        self.tokens: list = []       # the written context (spans index into it)
+
+    @property
+    def notes(self) -> list:
+        return self.writer.notes
+
+    @property
+    def projection(self) -> np.ndarray:
+        return self.writer.projection
+
+    def storage_bytes(self) -> int:
+        return notes_storage_bytes(len(self.notes), self.writer.n_channels, self.cfg.coords)
+
+    def write(self, state, tokens) -> WriteReport:
+        """Prefill ``tokens`` after the state's committed position, writing notes over
+        chunks of ``cfg.chunk`` tokens (positions are absolute in ``self.tokens``)."""
+        tokens = [int(t) for t in tokens]
+        base = len(self.tokens)
+        if state.pos != base:
+            raise NoteBankError(f"state is at position {state.pos} but the bank has {base} tokens: "
+                                "write into the state the bank was written from")
+        chunk = self.cfg.chunk
+        pend_k: list = []
+        chunk_start = [base]
+        n_before = len(self.notes)
+        w0 = self.writer.seconds
+
+        def flush():
+            k = np.concatenate(pend_k)
+            self.writer.write_chunk(k, chunk_start[0], chunk_start[0] // chunk)
+            chunk_start[0] += k.shape[0]
+            pend_k.clear()
+
+        def on_piece(start, q, k):
+            # split each piece at chunk boundaries, write each chunk once it is complete
+            while k.shape[0]:
+                room = chunk - (chunk_start[0] + sum(a.shape[0] for a in pend_k)) % chunk
+                pend_k.append(k[:room])
+                k = k[room:]
+                if (chunk_start[0] + sum(a.shape[0] for a in pend_k)) % chunk == 0:
+                    flush()
+
+        t0 = time.perf_counter()
+        run_captured(self.model, state, tokens, strict=self.strict, on_piece=on_piece)
+        if pend_k:
+            flush()
+        total = time.perf_counter() - t0
+        self.tokens += tokens
+        writer_s = self.writer.seconds - w0
+        native_s = 0.0
+        if self.native_payload:
+            t1 = time.perf_counter()
+            for n in self.notes[n_before:]:
+                n.replay_state = self.span_state(n)
+            native_s = time.perf_counter() - t1
+        n_chunks = -(-len(tokens) // chunk) if tokens else 0
+        return WriteReport(len(tokens), n_chunks, len(self.notes) - n_before,
+                           total - writer_s, writer_s, native_s)
+
+    def span_tokens(self, note: Note) -> list:
+        return self.tokens[note.start:note.end]
+
+    def retrieve(self, state, query_tokens, ranker: str | None = None) -> Retrieval:
+        """Retrieval branch: snapshot, run the query with capture, restore, rank."""
+        with Branch(state):
+            q, k, _ = run_captured(self.model, state, query_tokens, strict=self.strict)
+        vecs = q if self.cfg.query_source == "q" else k
+        return address(self.notes, vecs, self.projection, self.cfg, ranker)
+
+    def replay_order(self, notes: list) -> list:
+        """Replay order: the best note last, nearest the query (choice; see docs)."""
+        return list(reversed(notes))
+
+    def replay_tokens(self, state, notes: list):
+        """Token replay: re-prefill the selected spans (committing them)."""
+        toks = [t for n in self.replay_order(notes) for t in self.span_tokens(n)]
+        return feed(self.model, state, toks, strict=self.strict)
+
+    def span_state(self, note: Note) -> dict:
+        """Native-replay payload: the span's own recurrent state, i.e. the committed
+        GDN S of every layer after running the span from an empty state."""
+        fresh = self.model.new_state("target", ring=2)
+        feed(self.model, fresh, self.span_tokens(note), strict=self.strict)
+        snap = fresh.snapshot()
+        return {i: snap.gdn[i][0] for i in fresh.gdn_layers}
+
+    def replay_native(self, state, notes: list) -> None:
+        """Native replay: add each span's recurrent state into the committed ring slot
+        (S <- S + S_span per GDN layer; conv tail, KV and position unchanged), instead
+        of re-prefilling tokens. Goes through snapshot/restore, the state's own API."""
+        import mlx.core as mx
+        snap = state.snapshot()
+        gdn = dict(snap.gdn)
+        for n in self.replay_order(notes):
+            payload = n.replay_state if n.replay_state is not None else self.span_state(n)
+            for i, S_span in payload.items():
+                S, tail = gdn[i]
+                gdn[i] = (S + S_span, tail)
+        mx.eval([v[0] for v in gdn.values()])
+        state.restore(dataclasses.replace(snap, gdn=gdn))
+
+
+# =========================================================================== demo
+FILLER_WORDS = ("a an at on no so to tea ten net sat eat oat nose tone stone seat east "
+                "toes notes").split()
+
+
+def toy_config():
+    """The toy shape of the original's NoteBank table: 128d / 8 layers (6 GDN + 2 attention)."""
+    from .config import ModelConfig
+    return ModelConfig(d_model=128, n_layers=8, n_heads=4, head_dim=32, d_ff=256,
+                       vocab=128, max_seq=1024, draft_map=(0, 3, 4, 6))
+
+
+def toy_model(seed: int = 0, tie_qk: bool = True):
+    """A random-weight toy model over the byte vocabulary.
+
+    With independent random q and k projections, q.k carries no association at all,
+    so addressing by q is chance. ``tie_qk`` copies every GDN layer's k rows of wqkv
+    into its q rows, which gives the toy the q/k geometry a trained associative
+    memory has (a query token reads where the same token was written). The demo and
+    docs report this choice; ``tie_qk=False`` is the honest-chance control."""
+    from .model import SpelModel, init_weights
+    cfg = toy_config()
+    w = init_weights(cfg, seed=seed)
+    if tie_qk:
+        inner = cfg.inner
+        for i in cfg.gdn_layers:
+            wqkv = w[f"layers.{i}.mixer.wqkv.weight"]
+            wqkv[:inner] = wqkv[inner:2 * inner]
+    return SpelModel.from_weights(cfg, w)
+
+
+@dataclass
+class Needle:
+    key: str
+    value: str
+    start: int                 # token range of "KEY_n=VALUE;" in the document
+    end: int
+    query: list                # tokens of "?KEY_n="
+    value_token: int           # first token of the value after the query
+
+
+def needle_document(tokenizer, n_tokens: int = 384, n_needles: int = 3, chunk: int = 128,
+                    seed: int = 0):
+    """Filler text over a small common alphabet with ``n_needles`` ``KEY_n=VALUE;``
+    needles planted, one per chunk at a random offset. Segments are tokenized
+    separately so every needle's token range is exact. Returns (tokens, needles)."""
+    rng = np.random.default_rng(seed)
+
+    def filler(n):
+        toks: list = []
+        while len(toks) < n:
+            toks += tokenizer.encode(" ".join(FILLER_WORDS[i] for i in
+                                              rng.integers(0, len(FILLER_WORDS), 8)) + " ")
+        return toks[:n]
+
+    span = max(1, n_tokens // max(1, n_needles))
+    tokens: list = []
+    needles = []
+    for i in range(n_needles):
+        key = f"KEY_{i + 1}"
+        value = str(int(rng.integers(1000, 10000)))
+        text = tokenizer.encode(f"{key}={value};")
+        at = i * span + int(rng.integers(span // 8, max(span // 8 + 1, span - len(text) - span // 8)))
+        tokens += filler(at - len(tokens))
+        q = tokenizer.encode(f"?{key}=")
+        full = tokenizer.encode(f"?{key}={value}")
+        vt = full[len(q)] if full[:len(q)] == q and len(full) > len(q) else tokenizer.encode(value)[0]
+        needles.append(Needle(key, value, len(tokens), len(tokens) + len(text), q, vt))
+        tokens += text
+    tokens += filler(n_tokens - len(tokens))
+    return tokens, needles
+
+
+def _greedy_decode(model, state, first_logits, n: int, strict: bool = True):
+    """n greedy tokens after a state whose last logits are ``first_logits``; returns
+    (tokens, list of logits rows as numpy)."""
+    import mlx.core as mx
+    toks, rows = [], []
+    logits = np.asarray(first_logits, np.float32)
+    for _ in range(n):
+        t = int(np.argmax(logits))
+        toks.append(t)
+        out = model.forward([t], state, strict=strict)
+        state.commit(1)
+        mx.eval(out)
+        logits = np.asarray(out[-1], np.float32)
+        rows.append(logits)
+    return toks, rows
+
+
+def run_demo(model, tokenizer, cfg: NoteBankConfig | None = None, n_tokens: int = 384,
+             seed: int = 0, spec_tokens: int = 16, log=print) -> dict:
+    """The needle experiment (SPEC 7 report). Returns a dict of everything measured."""
+    cfg = (cfg or NoteBankConfig()).validate()
+    mcfg = model.cfg
+    tokens, needles = needle_document(tokenizer, n_tokens, 3, cfg.chunk, seed)
+    ranges = [(n.start, n.end) for n in needles]
+    bank = NoteBank(model, cfg, native_payload=True)
+    state = model.new_state("target")
+    wr = bank.write(state, tokens)
+    res: dict = {
+        "context_tokens": wr.tokens, "chunks": wr.chunks, "notes": wr.notes,
+        "forward_capture_ms": wr.forward_s * 1e3, "writer_ms": wr.writer_s * 1e3,
+        "native_payload_ms": wr.native_s * 1e3,
+        "containment": containment(bank.notes, ranges), "needles": len(needles),
+        "spans": [(n.start, n.end) for n in bank.notes], "needle_ranges": ranges,
+    }
+    address_ms = {"summed": [], "votes": []}
+    hits = {"summed": 0, "votes": 0}
+    ranks = {"none": [], "tokens": [], "native": []}
+    replay_ms = {"tokens": [], "native": []}
+    per_needle = []
+    for nd in needles:
+        row = {"key": nd.key, "value": nd.value}
+        tops = {}
+        for ranker in ("summed", "votes"):
+            r = bank.retrieve(state, nd.query, ranker)
+            address_ms[ranker].append(r.seconds * 1e3)
+            hit = hit_at_r(r.top, nd.start, nd.end)
+            hits[ranker] += hit
+            tops[ranker] = r.top
+            row[ranker] = [(n.start, n.end) for n in r.top]
+        with Branch(state):
+            ranks["none"].append(token_rank(feed(model, state, nd.query), nd.value_token))
+        with Branch(state):
+            t0 = time.perf_counter()
+            bank.replay_tokens(state, tops["summed"])
+            replay_ms["tokens"].append((time.perf_counter() - t0) * 1e3)
+            ranks["tokens"].append(token_rank(feed(model, state, nd.query), nd.value_token))
+        with Branch(state):
+            t0 = time.perf_counter()
+            bank.replay_native(state, tops["summed"])
+            replay_ms["native"].append((time.perf_counter() - t0) * 1e3)
+            ranks["native"].append(token_rank(feed(model, state, nd.query), nd.value_token))
+        per_needle.append(row)
+    C = gdn_channel_count(mcfg)
+    res.update({
+        "address_ms": {k: (min(v), max(v)) for k, v in address_ms.items()},
+        "recall_summed": hits["summed"], "recall_votes": hits["votes"], "top_r": cfg.top_r,
+        "query_positions": cfg.query_positions,
+        "note_storage_bytes": bank.storage_bytes(),
+        "note_bytes_each": note_bytes(C, cfg.coords), "channels": C,
+        "dense_kv_bytes": dense_kv_bytes(mcfg, wr.tokens),
+        "hybrid_kv_bytes": hybrid_kv_bytes(mcfg, wr.tokens),
+        "native_payload_bytes_each": len(mcfg.gdn_layers) * mcfg.n_heads * mcfg.head_dim ** 2 * FP32_BYTES,
+        "rank_no_replay": ranks["none"], "rank_token_replay": ranks["tokens"],
+        "rank_native_replay": ranks["native"],
+        "replay_ms": {k: (min(v), max(v)) for k, v in replay_ms.items()},
+        "per_needle": per_needle,
+    })
+    try:
+        res["spec"] = _demo_spec(model, bank, tokens, needles[0], tokenizer, spec_tokens, log)
+    except Exception as e:  # noqa: BLE001  the engine is another part; report, keep the table
+        res["spec"] = {"skipped": f"speculative run failed: {type(e).__name__}: {e}"}
+    return res
+
+
+def _demo_spec(model, bank, tokens, needle, tokenizer, n: int, log) -> dict:
+    """Speculative greedy run on the answer of the first needle's read branch
+    (context + token replay of its top notes + query), checked against AR."""
+    try:
+        from . import speculative as spec
+    except ImportError as e:  # the engine is a separate part; the demo works without it
+        return {"skipped": f"spel_mlx.speculative unavailable: {e}"}
+    if n <= 0:
+        return {"skipped": "--spec-tokens 0"}
+    state = model.new_state("target")
+    feed(model, state, tokens)
+    top = bank.retrieve(state, needle.query, "summed").top
+    replay = [t for nt in bank.replay_order(top) for t in bank.span_tokens(nt)]
+    prompt = list(tokens) + replay + list(needle.query)
+    if len(prompt) + n + 1 > model.cfg.max_seq:
+        return {"skipped": f"prompt of {len(prompt)} tokens + {n} exceeds max_seq"}
+    ar = spec.SpeculativeDecoder(model, None, mode="ar", k=model.cfg.spec_k)
+    ar_out = ar.generate(prompt, n)
+    draft = spec.ModelDraft(model, "draft", ring=model.cfg.spec_k + 1)
+    sd = spec.SpeculativeDecoder(model, draft, mode="spec", k=model.cfg.spec_k)
+    try:
+        t0 = time.perf_counter()
+        sp_out = sd.generate(prompt, n)
+        dt = time.perf_counter() - t0
+    finally:
+        sd.close()
+    st = sd.stats
+    return {"tokens": len(sp_out), "matches_ar": sp_out == ar_out,
+            "agree": sum(a == b for a, b in zip(sp_out, ar_out)),
+            "alpha": float(st.alpha), "tokens_per_round": float(st.tokens_per_round),
+            "seconds": dt, "answer": tokenizer.decode(sp_out), "value": needle.value,
+            "answer_starts_with_value": tokenizer.decode(sp_out).startswith(needle.value)}
+
+
+def format_table(res: dict, label: str) -> str:
+    """The demo's report as a two-column text table."""
+    def ms(pair):
+        lo, hi = pair
+        return f"{lo:.3f} ms" if abs(hi - lo) < 5e-4 else f"{lo:.3f}-{hi:.3f} ms"
+
+    dense, hyb, notes = res["dense_kv_bytes"], res["hybrid_kv_bytes"], res["note_storage_bytes"]
+    rows = [
+        ("context / chunks / notes", f"{res['context_tokens']} / {res['chunks']} / {res['notes']}"),
+        ("forward with capture", f"{res['forward_capture_ms']:.1f} ms"),
+        ("writer time", f"{res['writer_ms']:.3f} ms"),
+        (f"address time (Q={res['query_positions']}, R={res['top_r']}) summed",
+         ms(res["address_ms"]["summed"])),
+        ("address time votes", ms(res["address_ms"]["votes"])),
+        ("writer needle containment", f"{res['containment']}/{res['needles']}"),
+        (f"summed-similarity recall@{res['top_r']}", f"{res['recall_summed']}/{res['needles']}"),
+        (f"vote-ranker recall@{res['top_r']}", f"{res['recall_votes']}/{res['needles']}"),
+        ("note storage", f"{notes:,} B ({res['notes']} x {res['note_bytes_each']:,} B, "
+                         f"{res['channels']} channels)"),
+        ("dense KV, all layers (FP32)", f"{dense:,} B ({dense / max(1, notes):.1f}x)"),
+        ("hybrid attention KV (FP32)", f"{hyb:,} B ({hyb / max(1, notes):.1f}x)"),
+        ("value rank, no replay", "/".join(map(str, res["rank_no_replay"]))),
+        ("value rank, token replay", "/".join(map(str, res["rank_token_replay"]))),
+        ("value rank, native replay", "/".join(map(str, res["rank_native_replay"]))),
+        ("token replay time", ms(res["replay_ms"]["tokens"])),
+        ("native replay time (payload cached)", ms(res["replay_ms"]["native"])),
+        ("native payload / note", f"{res['native_payload_bytes_each']:,} B (FP32 S, all GDN layers)"),
+    ]
+    sp = res.get("spec", {})
+    if "skipped" in sp:
+        rows.append(("spec run on the answer", "skipped: " + sp["skipped"]))
+    elif sp:
+        rows.append(("spec run on the answer",
+                     f"{sp['agree']}/{sp['tokens']} tokens = AR; alpha={sp['alpha']:.3f}; "
+                     f"{sp['tokens_per_round']:.2f} tok/round"))
+        rows.append(("spec answer", repr(sp["answer"][:40]) + f" (value {sp['value']})"))
+    w = max(len(a) for a, _ in rows)
+    out = [f"NoteBank needle demo: {label}", "-" * (w + 40)]
+    out += [f"{a:<{w}}  {b}" for a, b in rows]
+    return "\n".join(out)
+
+
+def _write_json_atomic(path: str, obj) -> None:
+    import json
+    import os
+    import tempfile
+    d = os.path.dirname(os.path.abspath(path))
+    fd, tmp = tempfile.mkstemp(prefix=".notebank-", suffix=".json", dir=d)
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(obj, f, indent=1, default=lambda o: o.tolist() if hasattr(o, "tolist") else str(o))
+            f.write("\n")
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+
+
+def _load_for_demo(args):
+    """(model, tokenizer, label) for --toy or a checkpoint (default: the shipped one)."""
+    from .tokenizer import ByteTokenizer, load_tokenizer
+    if args.toy:
+        tie = not args.toy_untied
+        label = (f"toy 128d/8L random weights (seed {args.model_seed}, "
+                 f"{'GDN q tied to k' if tie else 'independent q/k'})")
+        return toy_model(args.model_seed, tie_qk=tie), ByteTokenizer(), label
+    import os
+    from .checkpoint import load_checkpoint
+    from .model import SpelModel
+    ck = load_checkpoint(args.checkpoint)
+    tok_path = None
+    if os.path.isdir(ck.source) and os.path.isfile(os.path.join(ck.source, "tokenizer.model")):
+        tok_path = os.path.join(ck.source, "tokenizer.model")
+    tok = load_tokenizer(ck.cfg.vocab, tok_path)
+    c = ck.cfg
+    label = f"{ck.source} ({c.d_model}d/{c.n_layers}L, vocab {c.vocab}, {tok.name})"
+    return SpelModel.from_weights(ck.cfg, ck.weights), tok, label
+
+
+def main(argv=None) -> int:
+    import argparse
+    import sys
+    ap = argparse.ArgumentParser(prog="python -m spel_mlx.notebank",
+                                 description="NoteBank episodic memory: the needle demo.")
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    d = sub.add_parser("demo", help="three planted KEY_n=VALUE; needles, notes, query ?KEY_n=")
+    d.add_argument("--checkpoint", help="SPELW001 file or safetensors folder "
+                   "(default: $SPEL_WEIGHTS, else the shipped spel_mlx/assets/default)")
+    d.add_argument("--toy", action="store_true", help="random-weight 128d/8L toy model, byte vocab")
+    d.add_argument("--toy-untied", action="store_true",
+                   help="toy with independent random q/k (addressing by q is then chance)")
+    d.add_argument("--model-seed", type=int, default=0)
+    d.add_argument("--seed", type=int, default=0, help="seed of the filler and needle values")
+    d.add_argument("--tokens", type=int, default=384, help="context length in tokens")
+    d.add_argument("--chunk", type=int, default=128)
+    d.add_argument("--span", type=int, default=16)
+    d.add_argument("--notes-per-chunk", type=int, default=2)
+    d.add_argument("--query-positions", type=int, default=4)
+    d.add_argument("--top-r", type=int, default=2)
+    d.add_argument("--query-source", choices=QUERY_SOURCES, default="q")
+    d.add_argument("--spec-tokens", type=int, default=16, help="speculative run length (0: skip)")
+    d.add_argument("--json", help="also write the measurements to this JSON file (atomically)")
+    args = ap.parse_args(argv)
+    if args.toy_untied:
+        args.toy = True
+    try:
+        cfg = NoteBankConfig(chunk=args.chunk, span=args.span, notes_per_chunk=args.notes_per_chunk,
+                             query_positions=args.query_positions, top_r=args.top_r,
+                             query_source=args.query_source).validate()
+        if args.tokens < 3 * 16:
+            raise NoteBankError(f"--tokens={args.tokens}: need at least 48 to plant three needles")
+        model, tok, label = _load_for_demo(args)
+        if args.tokens + 64 > model.cfg.max_seq:
+            raise NoteBankError(f"--tokens={args.tokens}: the model's max_seq is {model.cfg.max_seq}")
+        res = run_demo(model, tok, cfg, args.tokens, args.seed, args.spec_tokens)
+    except (ValueError, OSError) as e:  # config, checkpoint, tokenizer and state errors
+        print(f"notebank demo: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("notebank demo: interrupted", file=sys.stderr)
+        return 130
+    res["label"] = label
+    print(format_table(res, label))
+    if args.json:
+        try:
+            _write_json_atomic(args.json, res)
+        except OSError as e:
+            print(f"notebank demo: error: cannot write {args.json}: {e}", file=sys.stderr)
+            return 2
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
