@@ -1,0 +1,497 @@
+/* The CPU draft step (SPEC 2 draft, 3, 4): embedding row, RMSNorm, GDN conv + delta
+ * rule with a (K+1)-slot state ring, RoPE attention with a KV cache, q8 wqkv/wo,
+ * ternary SwiGLU, final norm and the FP32 (or optional q8) LM head.  Quantized GEMVs
+ * run row-parallel on the draft's persistent pool; everything else is serial on the
+ * calling thread, so logits do not depend on the thread count. */
+#include <math.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "spel_internal.h"
+
+#define L2_EPS 1e-6f
+#define ROWS_CHUNK 256
+
+/* ---------------------------------------------------------------- helpers */
+static void *alloc64(size_t n) {
+    void *p = NULL;
+    if (posix_memalign(&p, 64, n ? n : 64) != 0) return NULL;
+    memset(p, 0, n ? n : 64);
+    return p;
+}
+
+/* Fixed summation order (16 interleaved partial sums, then a fixed tree) so the
+ * compiler may vectorize it without changing the result. */
+float spel_dot_f32(const float *a, const float *b, int64_t n) {
+    float acc[16] = {0};
+    int64_t i = 0;
+    for (; i + 16 <= n; i += 16)
+        for (int l = 0; l < 16; l++) acc[l] += a[i + l] * b[i + l];
+    for (int l = 0; i < n; i++, l++) acc[l] += a[i] * b[i];
+    for (int w = 8; w >= 1; w /= 2)
+        for (int l = 0; l < w; l++) acc[l] += acc[l + w];
+    return acc[0];
+}
+
+static inline float silu(float v) { return v / (1.0f + expf(-v)); }
+
+static void rmsnorm(const float *x, const float *g, int64_t n, float eps, float *y) {
+    float ms = spel_dot_f32(x, x, n) / (float)n;
+    float r = 1.0f / sqrtf(ms + eps);
+    for (int64_t i = 0; i < n; i++) y[i] = x[i] * r * g[i];
+}
+
+static void unit_vec(float *v, int64_t n) {
+    float r = 1.0f / sqrtf(spel_dot_f32(v, v, n) + L2_EPS);
+    for (int64_t i = 0; i < n; i++) v[i] *= r;
+}
+
+/* ------------------------------------------------------------------ GEMVs */
+typedef struct {
+    const spel_qmat *m[2];
+    float *y[2];
+    int64_t rows0, total, bs;
+    const spel_act *a;
+    int kernel;
+} qgemv_job;
+
+static void qgemv_block(void *ctx, int64_t b) {
+    const qgemv_job *j = ctx;
+    int64_t r = b * j->bs, rend = r + j->bs < j->total ? r + j->bs : j->total;
+    int32_t dots[ROWS_CHUNK];
+    while (r < rend) {
+        int which = r >= j->rows0;
+        int64_t base = which ? j->rows0 : 0;
+        const spel_qmat *m = j->m[which];
+        int64_t seg_end = base + m->rows < rend ? base + m->rows : rend;
+        for (int64_t c0 = r - base; c0 < seg_end - base; c0 += ROWS_CHUNK) {
+            int64_t c1 = c0 + ROWS_CHUNK < seg_end - base ? c0 + ROWS_CHUNK : seg_end - base;
+            if (m->ternary)
+                spel_tern_kernel(j->kernel)(m->data, m->stride, c0, c1, j->a, dots);
+            else
+                spel_q8_kernel(j->kernel)((const int8_t *)m->data, m->stride, c0, c1, j->a, dots);
+            float *y = j->y[which];
+            for (int64_t i = c0; i < c1; i++) y[i] = (m->scale[i] * j->a->sx) * (float)dots[i - c0];
+        }
+        r = seg_end;
+    }
+}
+
+void spel_qgemv(spel_pool *pool, int kernel, const spel_qmat *m0, float *y0, const spel_qmat *m1,
+                float *y1, const spel_act *a) {
+    qgemv_job j = {{m0, m1 ? m1 : m0}, {y0, y1}, m0->rows, m0->rows + (m1 ? m1->rows : 0), 0, a, kernel};
+    j.bs = spel_pool_block_rows(pool, j.total);
+    spel_pool_run(pool, qgemv_block, &j, (j.total + j.bs - 1) / j.bs);
+}
+
+typedef struct {
+    const float *w, *x;
+    float *y;
+    int64_t rows, cols, bs;
+} fgemv_job;
+
+static void fgemv_block(void *ctx, int64_t b) {
+    const fgemv_job *j = ctx;
+    int64_t r0 = b * j->bs, r1 = r0 + j->bs < j->rows ? r0 + j->bs : j->rows;
+    for (int64_t r = r0; r < r1; r++) j->y[r] = spel_dot_f32(j->w + r * j->cols, j->x, j->cols);
+}
+
+void spel_fgemv(spel_pool *pool, const float *w, int64_t rows, int64_t cols, const float *x, float *y) {
+    fgemv_job j = {w, x, y, rows, cols, spel_pool_block_rows(pool, rows)};
+    spel_pool_run(pool, fgemv_block, &j, (rows + j.bs - 1) / j.bs);
+}
+
+int spel_f32_gemv(spel_pool *pool, const float *w, int64_t rows, int64_t cols, const float *x, float *y) {
+    spel_fgemv(pool, w, rows, cols, x, y);
+    return 0;
+}
+
+/* ------------------------------------------------- standalone bench matrix */
+struct spel_matrix {
+    spel_qmat m;
+    spel_act act;
+};
+
+spel_matrix *spel_matrix_new(const float *w, int64_t rows, int64_t cols, int ternary) {
+    spel_matrix *mx = calloc(1, sizeof *mx);
+    if (!mx) return NULL;
+    if (spel_qmat_init(&mx->m, w, rows, cols, ternary)) { free(mx); return NULL; }
+    mx->act.xq = alloc64((size_t)spel_pad_cols(cols));
+    mx->act.xperm = alloc64((size_t)spel_pad_cols(cols));
+    if (!mx->act.xq || !mx->act.xperm) { spel_matrix_free(mx); return NULL; }
+    return mx;
+}
+
+void spel_matrix_free(spel_matrix *mx) {
+    if (!mx) return;
+    spel_qmat_release(&mx->m);
+    free(mx->act.xq);
+    free(mx->act.xperm);
+    free(mx);
+}
+
+int spel_matrix_gemv(spel_matrix *mx, spel_pool *pool, int kernel, const float *x, float *y) {
+    kernel = spel_kernel_resolve(kernel);
+    if (kernel < 0) return -1;
+    spel_act_quantize(&mx->act, x, mx->m.cols, kernel);
+    spel_qgemv(pool, kernel, &mx->m, y, NULL, NULL, &mx->act);
+    return 0;
+}
+
+/* ------------------------------------------------------------------ draft */
+typedef struct {
+    int kind, set;
+    float *attn_norm, *ffn_norm, *conv, *decay, *beta;   /* decay/beta: sigmoid applied */
+    spel_qmat wqkv, wo, w1, w3, w2;
+    float *ring_S;     /* [R][H][hd][hd]: rows index v, columns index k */
+    float *ring_tail;  /* [R][2][d]: the conv's last two normed inputs */
+    float *kcache, *vcache;   /* [max_seq][H*hd], k rotated */
+} dlayer;
+
+struct spel_draft {
+    spel_draft_config cfg;
+    int kernel, R, read, last_m, shared_set;
+    int64_t pos;
+    spel_pool *pool;
+    dlayer *L;
+    float *emb, *fnorm, *head;
+    spel_qmat head_q;
+    float *inv_freq;   /* not used for the angle itself: see rope() */
+    float *x, *xn, *h, *u, *qkv, *o, *mix, *g1, *g3, *scores;
+    spel_act act;
+    char err[256];
+};
+
+static int fail(spel_draft *d, const char *fmt, ...) {
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(d->err, sizeof d->err, fmt, ap);
+    va_end(ap);
+    return -1;
+}
+
+const char *spel_draft_error(const spel_draft *d) { return d ? d->err : "no draft"; }
+
+spel_draft *spel_draft_new(const spel_draft_config *cfg, const int *kinds) {
+    spel_draft *d = calloc(1, sizeof *d);
+    if (!d) return NULL;
+    d->cfg = *cfg;
+    int dm = cfg->d_model, inner = cfg->n_heads * cfg->head_dim, ff = cfg->d_ff;
+    if (dm < 1 || cfg->n_heads < 1 || cfg->head_dim < 2 || (cfg->head_dim & 1) || ff < 1 || cfg->vocab < 1 ||
+        cfg->max_seq < 1 || cfg->n_layers < 1 || cfg->ring < 2 || cfg->threads < 1 ||
+        cfg->threads > SPEL_MAX_THREADS) {
+        snprintf(d->err, sizeof d->err, "invalid draft configuration");
+        return d;   /* caller reads the error, then frees */
+    }
+    d->kernel = spel_kernel_resolve(cfg->kernel);
+    if (d->kernel < 0) {
+        snprintf(d->err, sizeof d->err, "kernel %s is not available on this CPU", spel_kernel_name(cfg->kernel));
+        return d;
+    }
+    d->R = cfg->ring;
+    d->pool = spel_pool_create(cfg->threads);
+    d->L = calloc((size_t)cfg->n_layers, sizeof(dlayer));
+    int64_t wmax = dm > inner ? dm : inner;
+    if (ff > wmax) wmax = ff;
+    if (cfg->vocab > wmax) wmax = cfg->vocab;
+    d->x = alloc64(4 * (size_t)dm);
+    d->xn = alloc64(4 * (size_t)dm);
+    d->h = alloc64(4 * (size_t)dm);
+    d->u = alloc64(4 * (size_t)dm);
+    d->qkv = alloc64(4 * (size_t)(3 * inner));
+    d->o = alloc64(4 * (size_t)inner);
+    d->mix = alloc64(4 * (size_t)dm);
+    d->g1 = alloc64(4 * (size_t)ff);
+    d->g3 = alloc64(4 * (size_t)ff);
+    d->scores = alloc64(4 * (size_t)cfg->max_seq);
+    d->act.xq = alloc64((size_t)spel_pad_cols(wmax));
+    d->act.xperm = alloc64((size_t)spel_pad_cols(wmax));
+    if (!d->pool || !d->L || !d->x || !d->xn || !d->h || !d->u || !d->qkv || !d->o || !d->mix || !d->g1 ||
+        !d->g3 || !d->scores || !d->act.xq || !d->act.xperm) {
+        snprintf(d->err, sizeof d->err, "out of memory creating the draft (or its %d-thread pool)", cfg->threads);
+        return d;
+    }
+    for (int l = 0; l < cfg->n_layers; l++) {
+        dlayer *L = &d->L[l];
+        L->kind = kinds[l];
+        if (L->kind == SPEL_LAYER_GDN) {
+            L->ring_S = alloc64(4 * (size_t)d->R * cfg->n_heads * cfg->head_dim * cfg->head_dim);
+            L->ring_tail = alloc64(4 * (size_t)d->R * 2 * dm);
+            if (!L->ring_S || !L->ring_tail) { snprintf(d->err, sizeof d->err, "out of memory (GDN ring)"); return d; }
+        } else {
+            L->kcache = alloc64(4 * (size_t)cfg->max_seq * inner);
+            L->vcache = alloc64(4 * (size_t)cfg->max_seq * inner);
+            if (!L->kcache || !L->vcache) { snprintf(d->err, sizeof d->err, "out of memory (KV cache)"); return d; }
+        }
+    }
+    return d;
+}
+
+static float *copy_f32(const float *src, size_t n) {
+    float *p = alloc64(4 * n);
+    if (p) memcpy(p, src, 4 * n);
+    return p;
+}
+
+int spel_draft_set_shared(spel_draft *d, const float *emb, const float *fnorm, const float *head) {
+    const spel_draft_config *c = &d->cfg;
+    d->emb = copy_f32(emb, (size_t)c->vocab * c->d_model);
+    d->fnorm = copy_f32(fnorm, (size_t)c->d_model);
+    d->head = copy_f32(head, (size_t)c->vocab * c->d_model);
+    if (!d->emb || !d->fnorm || !d->head) return fail(d, "out of memory (shared tensors)");
+    if (c->q8_head && spel_qmat_init(&d->head_q, head, c->vocab, c->d_model, 0))
+        return fail(d, "out of memory (q8 head)");
+    d->shared_set = 1;
+    return 0;
+}
+
+int spel_draft_set_layer(spel_draft *d, int l, const float *attn_norm, const float *conv, const float *wqkv,
+                         const float *wo, const float *decay_logit, const float *beta_logit,
+                         const float *ffn_norm, const float *w1, const float *w3, const float *w2) {
+    const spel_draft_config *c = &d->cfg;
+    if (l < 0 || l >= c->n_layers) return fail(d, "layer %d out of range", l);
+    dlayer *L = &d->L[l];
+    int dm = c->d_model, H = c->n_heads, inner = H * c->head_dim, ff = c->d_ff;
+    L->attn_norm = copy_f32(attn_norm, dm);
+    L->ffn_norm = copy_f32(ffn_norm, dm);
+    if (!L->attn_norm || !L->ffn_norm) return fail(d, "out of memory (norms)");
+    if (L->kind == SPEL_LAYER_GDN) {
+        if (!conv || !decay_logit || !beta_logit) return fail(d, "GDN layer %d needs conv, decay and beta", l);
+        L->conv = copy_f32(conv, 3 * (size_t)dm);
+        L->decay = alloc64(4 * (size_t)H);
+        L->beta = alloc64(4 * (size_t)H);
+        if (!L->conv || !L->decay || !L->beta) return fail(d, "out of memory (GDN params)");
+        for (int h = 0; h < H; h++) {
+            L->decay[h] = (float)(1.0 / (1.0 + exp(-(double)decay_logit[h])));
+            L->beta[h] = (float)(1.0 / (1.0 + exp(-(double)beta_logit[h])));
+        }
+    }
+    if (spel_qmat_init(&L->wqkv, wqkv, 3 * inner, dm, 0) || spel_qmat_init(&L->wo, wo, dm, inner, 0) ||
+        spel_qmat_init(&L->w1, w1, ff, dm, 1) || spel_qmat_init(&L->w3, w3, ff, dm, 1) ||
+        spel_qmat_init(&L->w2, w2, dm, ff, 1))
+        return fail(d, "out of memory (quantized layer %d)", l);
+    L->set = 1;
+    return 0;
+}
+
+int spel_draft_ready(spel_draft *d) {
+    if (d->err[0]) return -1;
+    if (!d->shared_set) return fail(d, "shared tensors (tok_emb, final_norm, lm_head) not set");
+    for (int l = 0; l < d->cfg.n_layers; l++)
+        if (!d->L[l].set) return fail(d, "draft layer %d not set", l);
+    spel_draft_reset(d);
+    return 0;
+}
+
+void spel_draft_free(spel_draft *d) {
+    if (!d) return;
+    spel_pool_destroy(d->pool);
+    if (d->L) {
+        for (int l = 0; l < d->cfg.n_layers; l++) {
+            dlayer *L = &d->L[l];
+            free(L->attn_norm); free(L->ffn_norm); free(L->conv); free(L->decay); free(L->beta);
+            spel_qmat_release(&L->wqkv); spel_qmat_release(&L->wo);
+            spel_qmat_release(&L->w1); spel_qmat_release(&L->w3); spel_qmat_release(&L->w2);
+            free(L->ring_S); free(L->ring_tail); free(L->kcache); free(L->vcache);
+        }
+        free(d->L);
+    }
+    free(d->emb); free(d->fnorm); free(d->head);
+    spel_qmat_release(&d->head_q);
+    free(d->x); free(d->xn); free(d->h); free(d->u); free(d->qkv); free(d->o); free(d->mix);
+    free(d->g1); free(d->g3); free(d->scores); free(d->act.xq); free(d->act.xperm);
+    free(d);
+}
+
+void spel_draft_reset(spel_draft *d) {
+    const spel_draft_config *c = &d->cfg;
+    d->read = 0;
+    d->pos = 0;
+    d->last_m = 0;
+    size_t s_slot = (size_t)c->n_heads * c->head_dim * c->head_dim;
+    for (int l = 0; l < c->n_layers; l++) {
+        dlayer *L = &d->L[l];
+        if (L->kind == SPEL_LAYER_GDN) {   /* only the committed slot is ever read */
+            memset(L->ring_S, 0, 4 * s_slot);
+            memset(L->ring_tail, 0, 4 * 2 * (size_t)c->d_model);
+        }
+    }
+}
+
+int64_t spel_draft_pos(const spel_draft *d) { return d->pos; }
+int spel_draft_kernel(const spel_draft *d) { return d->kernel; }
+int spel_draft_threads(const spel_draft *d) { return spel_pool_threads(d->pool); }
+
+int64_t spel_draft_packed_bytes(const spel_draft *d, int which) {
+    int64_t n = 0;
+    for (int l = 0; l < d->cfg.n_layers; l++) {
+        const dlayer *L = &d->L[l];
+        const spel_qmat *ms[5] = {&L->wqkv, &L->wo, &L->w1, &L->w3, &L->w2};
+        for (int i = 0; i < 5; i++)
+            if (ms[i]->ternary == which) n += ms[i]->rows * (ms[i]->stride + 4);
+    }
+    return n;
+}
+
+/* x -> quantized act, y = W x (one or two matrices sharing the input) */
+static void qlinear(spel_draft *d, const float *x, int64_t n, const spel_qmat *m0, float *y0,
+                    const spel_qmat *m1, float *y1) {
+    spel_act_quantize(&d->act, x, n, d->kernel);
+    spel_qgemv(d->pool, d->kernel, m0, y0, m1, y1, &d->act);
+}
+
+static void rope(float *v, int hd, int64_t pos, float theta) {
+    for (int i = 0; i < hd / 2; i++) {
+        double ang = (double)pos * pow((double)theta, -2.0 * i / hd);
+        float cs = (float)cos(ang), sn = (float)sin(ang);
+        float a = v[2 * i], b = v[2 * i + 1];
+        v[2 * i] = a * cs - b * sn;
+        v[2 * i + 1] = a * sn + b * cs;
+    }
+}
+
+static void gdn_mixer(spel_draft *d, dlayer *L, int j) {
+    const spel_draft_config *c = &d->cfg;
+    int dm = c->d_model, H = c->n_heads, hd = c->head_dim, inner = H * hd;
+    int src = (d->read + j) % d->R, dst = (d->read + 1 + j) % d->R;
+    const float *ts = L->ring_tail + (size_t)src * 2 * dm;
+    float *td = L->ring_tail + (size_t)dst * 2 * dm;
+    for (int i = 0; i < dm; i++)
+        d->u[i] = silu(L->conv[i] * ts[i] + L->conv[dm + i] * ts[dm + i] + L->conv[2 * dm + i] * d->xn[i]);
+    memcpy(td, ts + dm, 4 * (size_t)dm);
+    memcpy(td + dm, d->xn, 4 * (size_t)dm);
+    qlinear(d, d->u, dm, &L->wqkv, d->qkv, NULL, NULL);
+    const float inv_sqrt_hd = 1.0f / sqrtf((float)hd);
+    size_t s_slot = (size_t)H * hd * hd;
+    for (int h = 0; h < H; h++) {
+        float *q = d->qkv + h * hd, *k = d->qkv + inner + h * hd, *v = d->qkv + 2 * inner + h * hd;
+        unit_vec(q, hd);
+        unit_vec(k, hd);
+        const float *S = L->ring_S + src * s_slot + (size_t)h * hd * hd;
+        float *Sd = L->ring_S + dst * s_slot + (size_t)h * hd * hd;
+        float a = L->decay[h], beta = L->beta[h];
+        for (int i = 0; i < hd; i++) {
+            const float *row = S + (size_t)i * hd;
+            float *drow = Sd + (size_t)i * hd;
+            float e = beta * (v[i] - spel_dot_f32(row, k, hd));
+            for (int t = 0; t < hd; t++) drow[t] = a * row[t] + e * k[t];
+            d->o[h * hd + i] = spel_dot_f32(drow, q, hd) * inv_sqrt_hd;
+        }
+    }
+}
+
+static void attn_mixer(spel_draft *d, dlayer *L, int64_t p) {
+    const spel_draft_config *c = &d->cfg;
+    int dm = c->d_model, H = c->n_heads, hd = c->head_dim, inner = H * hd;
+    qlinear(d, d->xn, dm, &L->wqkv, d->qkv, NULL, NULL);
+    float *kslot = L->kcache + (size_t)p * inner, *vslot = L->vcache + (size_t)p * inner;
+    for (int h = 0; h < H; h++) {
+        float *q = d->qkv + h * hd, *k = d->qkv + inner + h * hd;
+        unit_vec(q, hd);
+        unit_vec(k, hd);
+        rope(q, hd, p, c->rope_theta);
+        rope(k, hd, p, c->rope_theta);
+    }
+    memcpy(kslot, d->qkv + inner, 4 * (size_t)inner);
+    memcpy(vslot, d->qkv + 2 * inner, 4 * (size_t)inner);
+    const float scale = sqrtf((float)hd);
+    for (int h = 0; h < H; h++) {
+        const float *q = d->qkv + h * hd;
+        float m = -INFINITY;
+        for (int64_t t = 0; t <= p; t++) {
+            float s = scale * spel_dot_f32(q, L->kcache + (size_t)t * inner + h * hd, hd);
+            d->scores[t] = s;
+            if (s > m) m = s;
+        }
+        float sum = 0.0f;
+        float *o = d->o + h * hd;
+        memset(o, 0, 4 * (size_t)hd);
+        for (int64_t t = 0; t <= p; t++) {
+            float e = expf(d->scores[t] - m);
+            sum += e;
+            const float *vt = L->vcache + (size_t)t * inner + h * hd;
+            for (int i = 0; i < hd; i++) o[i] += e * vt[i];
+        }
+        float inv = 1.0f / sum;
+        for (int i = 0; i < hd; i++) o[i] *= inv;
+    }
+}
+
+/* Token at offset j of the uncommitted batch: GDN reads ring slot read+j, writes
+ * read+1+j; attention writes KV at pos+j. */
+static int run_token(spel_draft *d, int32_t tok, int j, float *logits) {
+    const spel_draft_config *c = &d->cfg;
+    int64_t p = d->pos + j;
+    if (tok < 0 || tok >= c->vocab) return fail(d, "token %d out of range 0..%d", tok, c->vocab - 1);
+    if (p >= c->max_seq) return fail(d, "position %lld reaches max_seq=%d", (long long)p, c->max_seq);
+    int dm = c->d_model, inner = c->n_heads * c->head_dim, ff = c->d_ff;
+    memcpy(d->x, d->emb + (size_t)tok * dm, 4 * (size_t)dm);
+    for (int l = 0; l < c->n_layers; l++) {
+        dlayer *L = &d->L[l];
+        rmsnorm(d->x, L->attn_norm, dm, c->norm_eps, d->xn);
+        if (L->kind == SPEL_LAYER_GDN) gdn_mixer(d, L, j);
+        else attn_mixer(d, L, p);
+        qlinear(d, d->o, inner, &L->wo, d->mix, NULL, NULL);
+        for (int i = 0; i < dm; i++) d->h[i] = d->x[i] + d->mix[i];
+        rmsnorm(d->h, L->ffn_norm, dm, c->norm_eps, d->xn);
+        qlinear(d, d->xn, dm, &L->w1, d->g1, &L->w3, d->g3);
+        for (int i = 0; i < ff; i++) d->g1[i] = silu(d->g1[i]) * d->g3[i];
+        qlinear(d, d->g1, ff, &L->w2, d->mix, NULL, NULL);
+        for (int i = 0; i < dm; i++) d->x[i] = d->h[i] + d->mix[i];
+    }
+    rmsnorm(d->x, d->fnorm, dm, c->norm_eps, d->xn);
+    if (c->q8_head) qlinear(d, d->xn, dm, &d->head_q, logits, NULL, NULL);
+    else spel_fgemv(d->pool, d->head, c->vocab, dm, d->xn, logits);
+    return 0;
+}
+
+int spel_draft_forward_from(spel_draft *d, const int32_t *tokens, int m, int start, float *logits) {
+    if (m < 1) return fail(d, "forward needs at least one token");
+    if (start < 0 || start > d->last_m) return fail(d, "start %d beyond the %d uncommitted tokens", start, d->last_m);
+    if (start + m > d->R) return fail(d, "batch of %d tokens exceeds the ring (%d slots)", start + m, d->R);
+    for (int j = 0; j < m; j++)
+        if (run_token(d, tokens[j], start + j, logits + (size_t)j * d->cfg.vocab)) {
+            d->last_m = 0;
+            return -1;
+        }
+    d->last_m = start + m;
+    return 0;
+}
+
+int spel_draft_forward(spel_draft *d, const int32_t *tokens, int m, float *logits) {
+    return spel_draft_forward_from(d, tokens, m, 0, logits);
+}
+
+int spel_draft_commit(spel_draft *d, int n) {
+    if (n < 1 || n > d->last_m) return fail(d, "commit(%d): the last batch has %d uncommitted tokens", n, d->last_m);
+    d->read = (d->read + n) % d->R;
+    d->pos += n;
+    d->last_m = 0;
+    return 0;
+}
+
+int spel_draft_step(spel_draft *d, int32_t token, float *logits) {
+    if (spel_draft_forward(d, &token, 1, logits)) return -1;
+    return spel_draft_commit(d, 1);
+}
+
+int spel_draft_propose(spel_draft *d, int32_t pending, int k, int32_t *out) {
+    if (k < 1 || k + 1 > d->R) return fail(d, "propose(K=%d) needs K+1 <= ring (%d)", k, d->R);
+    float *logits = malloc(4 * (size_t)d->cfg.vocab);
+    if (!logits) return fail(d, "out of memory");
+    int32_t t = pending;
+    int rc = 0;
+    for (int j = 0; j <= k; j++) {
+        if ((rc = run_token(d, t, j, logits))) break;
+        if (j == k) break;
+        int best = 0;
+        for (int v = 1; v < d->cfg.vocab; v++)
+            if (logits[v] > logits[best]) best = v;
+        out[j] = t = best;
+    }
+    free(logits);
+    d->last_m = rc ? 0 : k + 1;
+    return rc;
+}

@@ -1,0 +1,350 @@
+/* Integer GEMV row kernels: ternary (2-bit packed) and q8, every kernel returning
+ * the identical exact int32 dot products.
+ *
+ *   scalar   portable C, canonical packing, natural activation order
+ *   avx2     x86-64, chosen at run time (__builtin_cpu_supports); code -> (w+1) in {0,1,2}
+ *            via a byte shuffle, then vpmaddubsw against the int8 input and a final
+ *            subtraction of sum(x) (the +1 offset), so no per-row extra data is needed
+ *   dotprod  arm64 with FEAT_DotProd: code -> w in {-1,0,1} via vqtbl1q, then vdotq_s32
+ *   addsub   arm64 baseline NEON: +1/-1 masks select the input, pairwise-add into int16
+ * The SIMD ternary kernels read the canonical packing unchanged; the activation was
+ * permuted to match once per GEMV (quant.c). */
+#include <string.h>
+
+#include "spel_internal.h"
+
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+#define SPEL_X86 1
+#endif
+
+#if defined(__aarch64__)
+#include <arm_neon.h>
+#if defined(__linux__)
+#include <sys/auxv.h>
+#ifndef HWCAP_ASIMDDP
+#define HWCAP_ASIMDDP (1 << 20)
+#endif
+#elif defined(__APPLE__)
+#include <sys/sysctl.h>
+#endif
+#endif
+
+/* ------------------------------------------------------------------ scalar */
+static const int8_t DECODE[4] = {0, 1, 0, -1};   /* code 2 decodes as 0 */
+
+static void tern_rows_scalar(const uint8_t *packed, int64_t row_bytes, int64_t r0, int64_t r1,
+                             const spel_act *a, int32_t *out) {
+    const int8_t *x = a->xq;
+    for (int64_t r = r0; r < r1; r++) {
+        const uint8_t *p = packed + r * row_bytes;
+        int32_t acc = 0;
+        for (int64_t b = 0; b < row_bytes; b++) {
+            uint8_t v = p[b];
+            const int8_t *xb = x + 4 * b;
+            acc += DECODE[v & 3] * xb[0] + DECODE[(v >> 2) & 3] * xb[1] +
+                   DECODE[(v >> 4) & 3] * xb[2] + DECODE[(v >> 6) & 3] * xb[3];
+        }
+        out[r - r0] = acc;
+    }
+}
+
+static void q8_rows_scalar(const int8_t *q, int64_t stride, int64_t r0, int64_t r1,
+                           const spel_act *a, int32_t *out) {
+    const int8_t *x = a->xq;
+    for (int64_t r = r0; r < r1; r++) {
+        const int8_t *w = q + r * stride;
+        int32_t acc = 0;
+        for (int64_t j = 0; j < a->npad; j++) acc += (int32_t)w[j] * (int32_t)x[j];
+        out[r - r0] = acc;
+    }
+}
+
+/* -------------------------------------------------------------------- AVX2 */
+#ifdef SPEL_X86
+#define AVX2_FN __attribute__((target("avx2,fma")))
+
+AVX2_FN static inline int32_t hsum256_epi32(__m256i v) {
+    __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4E));
+    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xB1));
+    return _mm_cvtsi128_si32(s);
+}
+
+/* Two rows at a time share the activation loads. Per 32 packed bytes (128 weights) and
+ * row: 4 masks/shifts, 4 shuffles, 4 vpmaddubsw, int16 adds; flushed to int32 every 8
+ * pairs (each int16 lane grows by at most 4*508 per pair: 8*2032 < 32767). */
+AVX2_FN static inline void tern_pair_avx2(const uint8_t *pa, const uint8_t *pb, int64_t row_bytes,
+                                          const spel_act *a, int32_t *out_a, int32_t *out_b) {
+    const __m256i lut = _mm256_setr_epi8(1, 2, 1, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0,
+                                         1, 2, 1, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0);
+    const __m256i m3 = _mm256_set1_epi8(3);
+    const __m256i ones16 = _mm256_set1_epi16(1);
+    const int64_t npairs = row_bytes / 32;
+    const int8_t *xp = a->xperm;
+    __m256i acc32a = _mm256_setzero_si256(), acc32b = _mm256_setzero_si256();
+    for (int64_t p0 = 0; p0 < npairs; p0 += 8) {
+        int64_t pend = p0 + 8 < npairs ? p0 + 8 : npairs;
+        __m256i acca = _mm256_setzero_si256(), accb = _mm256_setzero_si256();
+        for (int64_t p = p0; p < pend; p++) {
+            const int8_t *xb = xp + p * 128;
+            __m256i x0 = _mm256_loadu_si256((const __m256i *)(xb));
+            __m256i x1 = _mm256_loadu_si256((const __m256i *)(xb + 32));
+            __m256i x2 = _mm256_loadu_si256((const __m256i *)(xb + 64));
+            __m256i x3 = _mm256_loadu_si256((const __m256i *)(xb + 96));
+            __m256i va = _mm256_loadu_si256((const __m256i *)(pa + p * 32));
+            __m256i vb = _mm256_loadu_si256((const __m256i *)(pb + p * 32));
+            __m256i ua0 = _mm256_shuffle_epi8(lut, _mm256_and_si256(va, m3));
+            __m256i ua1 = _mm256_shuffle_epi8(lut, _mm256_and_si256(_mm256_srli_epi16(va, 2), m3));
+            __m256i ua2 = _mm256_shuffle_epi8(lut, _mm256_and_si256(_mm256_srli_epi16(va, 4), m3));
+            __m256i ua3 = _mm256_shuffle_epi8(lut, _mm256_and_si256(_mm256_srli_epi16(va, 6), m3));
+            __m256i ub0 = _mm256_shuffle_epi8(lut, _mm256_and_si256(vb, m3));
+            __m256i ub1 = _mm256_shuffle_epi8(lut, _mm256_and_si256(_mm256_srli_epi16(vb, 2), m3));
+            __m256i ub2 = _mm256_shuffle_epi8(lut, _mm256_and_si256(_mm256_srli_epi16(vb, 4), m3));
+            __m256i ub3 = _mm256_shuffle_epi8(lut, _mm256_and_si256(_mm256_srli_epi16(vb, 6), m3));
+            __m256i sa = _mm256_add_epi16(_mm256_maddubs_epi16(ua0, x0), _mm256_maddubs_epi16(ua1, x1));
+            __m256i ta = _mm256_add_epi16(_mm256_maddubs_epi16(ua2, x2), _mm256_maddubs_epi16(ua3, x3));
+            __m256i sb = _mm256_add_epi16(_mm256_maddubs_epi16(ub0, x0), _mm256_maddubs_epi16(ub1, x1));
+            __m256i tb = _mm256_add_epi16(_mm256_maddubs_epi16(ub2, x2), _mm256_maddubs_epi16(ub3, x3));
+            acca = _mm256_add_epi16(acca, _mm256_add_epi16(sa, ta));
+            accb = _mm256_add_epi16(accb, _mm256_add_epi16(sb, tb));
+        }
+        acc32a = _mm256_add_epi32(acc32a, _mm256_madd_epi16(acca, ones16));
+        acc32b = _mm256_add_epi32(acc32b, _mm256_madd_epi16(accb, ones16));
+    }
+    int32_t da = hsum256_epi32(acc32a), db = hsum256_epi32(acc32b);
+    if ((row_bytes / 16) & 1) {   /* odd last 64-weight block: the same steps at 128 bits */
+        const __m128i lut128 = _mm256_castsi256_si128(lut), m3s = _mm_set1_epi8(3);
+        const int8_t *xb = xp + npairs * 128;
+        __m128i x0 = _mm_loadu_si128((const __m128i *)xb), x1 = _mm_loadu_si128((const __m128i *)(xb + 16));
+        __m128i x2 = _mm_loadu_si128((const __m128i *)(xb + 32)), x3 = _mm_loadu_si128((const __m128i *)(xb + 48));
+        for (int h = 0; h < 2; h++) {
+            __m128i v = _mm_loadu_si128((const __m128i *)((h ? pb : pa) + npairs * 32));
+            __m128i s = _mm_add_epi16(
+                _mm_add_epi16(_mm_maddubs_epi16(_mm_shuffle_epi8(lut128, _mm_and_si128(v, m3s)), x0),
+                              _mm_maddubs_epi16(_mm_shuffle_epi8(lut128, _mm_and_si128(_mm_srli_epi16(v, 2), m3s)), x1)),
+                _mm_add_epi16(_mm_maddubs_epi16(_mm_shuffle_epi8(lut128, _mm_and_si128(_mm_srli_epi16(v, 4), m3s)), x2),
+                              _mm_maddubs_epi16(_mm_shuffle_epi8(lut128, _mm_and_si128(_mm_srli_epi16(v, 6), m3s)), x3)));
+            __m128i s32 = _mm_madd_epi16(s, _mm_set1_epi16(1));
+            s32 = _mm_add_epi32(s32, _mm_shuffle_epi32(s32, 0x4E));
+            s32 = _mm_add_epi32(s32, _mm_shuffle_epi32(s32, 0xB1));
+            if (h) db += _mm_cvtsi128_si32(s32); else da += _mm_cvtsi128_si32(s32);
+        }
+    }
+    *out_a = da - a->sum;   /* remove the +1 offset of the (w+1) encoding */
+    *out_b = db - a->sum;
+}
+
+/* Two rows at a time share the activation loads. Per 32 packed bytes (128 weights) and
+ * row: 4 masks/shifts, 4 shuffles, 4 vpmaddubsw, int16 adds; flushed to int32 every 8
+ * pairs (each int16 lane grows by at most 4*508 per pair: 8*2032 < 32767). */
+AVX2_FN static void tern_rows_avx2(const uint8_t *packed, int64_t row_bytes, int64_t r0, int64_t r1,
+                                   const spel_act *a, int32_t *out) {
+    int64_t r = r0;
+    for (; r + 2 <= r1; r += 2)
+        tern_pair_avx2(packed + r * row_bytes, packed + (r + 1) * row_bytes, row_bytes, a,
+                       &out[r - r0], &out[r - r0 + 1]);
+    if (r < r1) {   /* a last odd row: pair it with itself */
+        int32_t dup;
+        tern_pair_avx2(packed + r * row_bytes, packed + r * row_bytes, row_bytes, a, &out[r - r0], &dup);
+    }
+}
+
+/* q8: vpmaddubsw(|q|, sign(x, q)) = pairwise q*x in int16 (|pair| <= 2*127*127 < 32767). */
+AVX2_FN static void q8_rows_avx2(const int8_t *q, int64_t stride, int64_t r0, int64_t r1,
+                                 const spel_act *a, int32_t *out) {
+    const __m256i ones16 = _mm256_set1_epi16(1);
+    const int8_t *x = a->xq;
+    const int64_t n32 = a->npad / 32;
+    for (int64_t r = r0; r < r1; r++) {
+        const int8_t *w = q + r * stride;
+        __m256i acc0 = _mm256_setzero_si256(), acc1 = _mm256_setzero_si256();
+        int64_t i = 0;
+        for (; i + 2 <= n32; i += 2) {
+            __m256i w0 = _mm256_loadu_si256((const __m256i *)(w + 32 * i));
+            __m256i w1 = _mm256_loadu_si256((const __m256i *)(w + 32 * i + 32));
+            __m256i x0 = _mm256_loadu_si256((const __m256i *)(x + 32 * i));
+            __m256i x1 = _mm256_loadu_si256((const __m256i *)(x + 32 * i + 32));
+            __m256i p0 = _mm256_maddubs_epi16(_mm256_sign_epi8(w0, w0), _mm256_sign_epi8(x0, w0));
+            __m256i p1 = _mm256_maddubs_epi16(_mm256_sign_epi8(w1, w1), _mm256_sign_epi8(x1, w1));
+            acc0 = _mm256_add_epi32(acc0, _mm256_madd_epi16(p0, ones16));
+            acc1 = _mm256_add_epi32(acc1, _mm256_madd_epi16(p1, ones16));
+        }
+        for (; i < n32; i++) {
+            __m256i w0 = _mm256_loadu_si256((const __m256i *)(w + 32 * i));
+            __m256i x0 = _mm256_loadu_si256((const __m256i *)(x + 32 * i));
+            __m256i p0 = _mm256_maddubs_epi16(_mm256_sign_epi8(w0, w0), _mm256_sign_epi8(x0, w0));
+            acc0 = _mm256_add_epi32(acc0, _mm256_madd_epi16(p0, ones16));
+        }
+        out[r - r0] = hsum256_epi32(_mm256_add_epi32(acc0, acc1));
+    }
+}
+
+static int cpu_has_avx2(void) {
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+}
+#endif /* SPEL_X86 */
+
+/* -------------------------------------------------------------------- NEON */
+#if defined(__aarch64__)
+#if defined(__ARM_FEATURE_DOTPROD)
+#define DOTPROD_FN
+#elif defined(__clang__)
+#define DOTPROD_FN __attribute__((target("dotprod")))
+#else
+#define DOTPROD_FN __attribute__((target("arch=armv8.2-a+dotprod")))
+#endif
+
+DOTPROD_FN static void tern_rows_dotprod(const uint8_t *packed, int64_t row_bytes, int64_t r0, int64_t r1,
+                                         const spel_act *a, int32_t *out) {
+    const int8x16_t lut = {0, 1, 0, -1, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0};
+    const uint8x16_t m3 = vdupq_n_u8(3);
+    const int64_t nb = row_bytes / 16;
+    for (int64_t r = r0; r < r1; r++) {
+        const uint8_t *p = packed + r * row_bytes;
+        int32x4_t acc0 = vdupq_n_s32(0), acc1 = vdupq_n_s32(0);
+        for (int64_t b = 0; b < nb; b++) {
+            const int8_t *xb = a->xperm + b * 64;
+            uint8x16_t v = vld1q_u8(p + 16 * b);
+            int8x16_t w0 = vqtbl1q_s8(lut, vandq_u8(v, m3));
+            int8x16_t w1 = vqtbl1q_s8(lut, vandq_u8(vshrq_n_u8(v, 2), m3));
+            int8x16_t w2 = vqtbl1q_s8(lut, vandq_u8(vshrq_n_u8(v, 4), m3));
+            int8x16_t w3 = vqtbl1q_s8(lut, vshrq_n_u8(v, 6));
+            acc0 = vdotq_s32(acc0, w0, vld1q_s8(xb));
+            acc1 = vdotq_s32(acc1, w1, vld1q_s8(xb + 16));
+            acc0 = vdotq_s32(acc0, w2, vld1q_s8(xb + 32));
+            acc1 = vdotq_s32(acc1, w3, vld1q_s8(xb + 48));
+        }
+        out[r - r0] = vaddvq_s32(vaddq_s32(acc0, acc1));
+    }
+}
+
+DOTPROD_FN static void q8_rows_dotprod(const int8_t *q, int64_t stride, int64_t r0, int64_t r1,
+                                       const spel_act *a, int32_t *out) {
+    for (int64_t r = r0; r < r1; r++) {
+        const int8_t *w = q + r * stride;
+        int32x4_t acc0 = vdupq_n_s32(0), acc1 = vdupq_n_s32(0);
+        for (int64_t i = 0; i < a->npad; i += 32) {
+            acc0 = vdotq_s32(acc0, vld1q_s8(w + i), vld1q_s8(a->xq + i));
+            acc1 = vdotq_s32(acc1, vld1q_s8(w + i + 16), vld1q_s8(a->xq + i + 16));
+        }
+        out[r - r0] = vaddvq_s32(vaddq_s32(acc0, acc1));
+    }
+}
+
+/* addsub: t = (x & [w=+1]) - (x & [w=-1]) (|t| <= 127), pairwise-accumulated into int16;
+ * each int16 lane grows by at most 4*254 per block, flushed every 16 blocks. */
+static void tern_rows_addsub(const uint8_t *packed, int64_t row_bytes, int64_t r0, int64_t r1,
+                             const spel_act *a, int32_t *out) {
+    const uint8x16_t m3 = vdupq_n_u8(3), one = vdupq_n_u8(1), three = vdupq_n_u8(3);
+    const int64_t nb = row_bytes / 16;
+    for (int64_t r = r0; r < r1; r++) {
+        const uint8_t *p = packed + r * row_bytes;
+        int32x4_t acc32 = vdupq_n_s32(0);
+        for (int64_t b0 = 0; b0 < nb; b0 += 16) {
+            int64_t bend = b0 + 16 < nb ? b0 + 16 : nb;
+            int16x8_t acc16 = vdupq_n_s16(0);
+            for (int64_t b = b0; b < bend; b++) {
+                const int8_t *xb = a->xperm + b * 64;
+                uint8x16_t v = vld1q_u8(p + 16 * b);
+                uint8x16_t c[4] = {vandq_u8(v, m3), vandq_u8(vshrq_n_u8(v, 2), m3),
+                                   vandq_u8(vshrq_n_u8(v, 4), m3), vshrq_n_u8(v, 6)};
+                for (int k = 0; k < 4; k++) {
+                    int8x16_t x = vld1q_s8(xb + 16 * k);
+                    int8x16_t plus = vandq_s8(x, vreinterpretq_s8_u8(vceqq_u8(c[k], one)));
+                    int8x16_t minus = vandq_s8(x, vreinterpretq_s8_u8(vceqq_u8(c[k], three)));
+                    acc16 = vpadalq_s8(acc16, vsubq_s8(plus, minus));
+                }
+            }
+            acc32 = vpadalq_s16(acc32, acc16);
+        }
+        out[r - r0] = vaddvq_s32(acc32);
+    }
+}
+
+/* q8 without dotprod: widening multiplies, pairwise-accumulated into int32. */
+static void q8_rows_addsub(const int8_t *q, int64_t stride, int64_t r0, int64_t r1,
+                           const spel_act *a, int32_t *out) {
+    for (int64_t r = r0; r < r1; r++) {
+        const int8_t *w = q + r * stride;
+        int32x4_t acc0 = vdupq_n_s32(0), acc1 = vdupq_n_s32(0);
+        for (int64_t i = 0; i < a->npad; i += 16) {
+            int8x16_t wv = vld1q_s8(w + i), xv = vld1q_s8(a->xq + i);
+            acc0 = vpadalq_s16(acc0, vmull_s8(vget_low_s8(wv), vget_low_s8(xv)));
+            acc1 = vpadalq_s16(acc1, vmull_high_s8(wv, xv));
+        }
+        out[r - r0] = vaddvq_s32(vaddq_s32(acc0, acc1));
+    }
+}
+
+static int cpu_has_dotprod(void) {
+#if defined(__linux__)
+    return (getauxval(AT_HWCAP) & HWCAP_ASIMDDP) != 0;
+#elif defined(__APPLE__)
+    int v = 0;
+    size_t len = sizeof v;
+    if (sysctlbyname("hw.optional.arm.FEAT_DotProd", &v, &len, NULL, 0) != 0) return 0;
+    return v != 0;
+#else
+    return 0;
+#endif
+}
+#endif /* __aarch64__ */
+
+/* --------------------------------------------------------------- selection */
+static const char *const NAMES[SPEL_KERNEL_COUNT] = {"scalar", "avx2", "dotprod", "addsub"};
+
+const char *spel_kernel_name(int kernel) {
+    return kernel >= 0 && kernel < SPEL_KERNEL_COUNT ? NAMES[kernel] : "unknown";
+}
+
+int spel_kernel_available(int kernel) {
+    switch (kernel) {
+    case SPEL_KERNEL_SCALAR: return 1;
+#ifdef SPEL_X86
+    case SPEL_KERNEL_AVX2: return cpu_has_avx2();
+#endif
+#if defined(__aarch64__)
+    case SPEL_KERNEL_DOTPROD: return cpu_has_dotprod();
+    case SPEL_KERNEL_ADDSUB: return 1;
+#endif
+    default: return 0;
+    }
+}
+
+int spel_kernel_resolve(int kernel) {
+    if (kernel == SPEL_KERNEL_AUTO) {
+        static const int order[] = {SPEL_KERNEL_DOTPROD, SPEL_KERNEL_AVX2, SPEL_KERNEL_ADDSUB};
+        for (int i = 0; i < 3; i++)
+            if (spel_kernel_available(order[i])) return order[i];
+        return SPEL_KERNEL_SCALAR;
+    }
+    return spel_kernel_available(kernel) ? kernel : -1;
+}
+
+spel_tern_rows_fn spel_tern_kernel(int kernel) {
+    switch (kernel) {
+#ifdef SPEL_X86
+    case SPEL_KERNEL_AVX2: return tern_rows_avx2;
+#endif
+#if defined(__aarch64__)
+    case SPEL_KERNEL_DOTPROD: return tern_rows_dotprod;
+    case SPEL_KERNEL_ADDSUB: return tern_rows_addsub;
+#endif
+    default: return tern_rows_scalar;
+    }
+}
+
+spel_q8_rows_fn spel_q8_kernel(int kernel) {
+    switch (kernel) {
+#ifdef SPEL_X86
+    case SPEL_KERNEL_AVX2: return q8_rows_avx2;
+#endif
+#if defined(__aarch64__)
+    case SPEL_KERNEL_DOTPROD: return q8_rows_dotprod;
+    case SPEL_KERNEL_ADDSUB: return q8_rows_addsub;
+#endif
+    default: return q8_rows_scalar;
+    }
+}

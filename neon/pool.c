@@ -1,0 +1,171 @@
+/* Persistent worker pool for the draft's GEMVs.
+ *
+ * threads-1 helper threads live as long as the pool; the calling thread is the
+ * remaining worker.  A dispatch publishes (fn, ctx, nblocks), bumps a generation
+ * counter and runs blocks itself; blocks are claimed with an atomic counter.  Idle
+ * helpers spin on the generation for a short while (the gap between the GEMVs of one
+ * token), then yield, then sleep on a condition variable.  Every helper checks in
+ * after each generation and the dispatcher waits for all check-ins, so no helper can
+ * touch a job after its dispatch returned.  Each row is computed by exactly one thread
+ * with the same code, so results do not depend on the thread count. */
+#include <pthread.h>
+#include <sched.h>
+#include <stdatomic.h>
+#include <stdlib.h>
+
+#include "spel_internal.h"
+
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+static inline void cpu_relax(void) { _mm_pause(); }
+#elif defined(__aarch64__)
+static inline void cpu_relax(void) { __asm__ __volatile__("yield"); }
+#else
+static inline void cpu_relax(void) {}
+#endif
+
+#define SPIN_ITERS 4000     /* ~tens of microseconds of pause before yielding */
+#define YIELD_ITERS 50      /* then a few yields before sleeping */
+
+struct spel_pool {
+    int threads;
+    pthread_t *helpers;
+    pthread_mutex_t mu;
+    pthread_cond_t cv;
+    atomic_int sleepers;
+    atomic_uint_fast64_t gen;
+    atomic_int_fast64_t next;
+    atomic_int checked_in;
+    atomic_int stop;
+    spel_task_fn fn;
+    void *ctx;
+    int64_t nblocks;
+};
+
+static void run_blocks(spel_pool *p) {
+    for (;;) {
+        int64_t b = atomic_fetch_add_explicit(&p->next, 1, memory_order_relaxed);
+        if (b >= p->nblocks) break;
+        p->fn(p->ctx, b);
+    }
+}
+
+static void *helper_main(void *arg) {
+    spel_pool *p = arg;
+    uint64_t seen = 0;
+    for (;;) {
+        uint64_t g;
+        int spins = 0;
+        while ((g = atomic_load_explicit(&p->gen, memory_order_acquire)) == seen) {
+            if (spins < SPIN_ITERS) {
+                cpu_relax();
+                spins++;
+            } else if (spins < SPIN_ITERS + YIELD_ITERS) {
+                sched_yield();
+                spins++;
+            } else {
+                /* sleepers is raised before re-checking gen under the mutex; the
+                 * dispatcher bumps gen before reading sleepers (both seq_cst), so
+                 * either we see the new gen or it sees us and broadcasts. */
+                atomic_fetch_add(&p->sleepers, 1);
+                pthread_mutex_lock(&p->mu);
+                while (atomic_load(&p->gen) == seen) pthread_cond_wait(&p->cv, &p->mu);
+                pthread_mutex_unlock(&p->mu);
+                atomic_fetch_sub(&p->sleepers, 1);
+            }
+        }
+        seen = g;
+        if (atomic_load_explicit(&p->stop, memory_order_acquire)) break;
+        run_blocks(p);
+        atomic_fetch_add_explicit(&p->checked_in, 1, memory_order_release);
+    }
+    return NULL;
+}
+
+static void publish(spel_pool *p) {
+    atomic_fetch_add(&p->gen, 1);
+    if (atomic_load(&p->sleepers) > 0) {
+        pthread_mutex_lock(&p->mu);
+        pthread_cond_broadcast(&p->cv);
+        pthread_mutex_unlock(&p->mu);
+    }
+}
+
+spel_pool *spel_pool_create(int threads) {
+    if (threads < 1 || threads > SPEL_MAX_THREADS) return NULL;
+    spel_pool *p = calloc(1, sizeof *p);
+    if (!p) return NULL;
+    p->threads = threads;
+    pthread_mutex_init(&p->mu, NULL);
+    pthread_cond_init(&p->cv, NULL);
+    atomic_init(&p->sleepers, 0);
+    atomic_init(&p->gen, 0);
+    atomic_init(&p->next, 0);
+    atomic_init(&p->checked_in, 0);
+    atomic_init(&p->stop, 0);
+    if (threads > 1) {
+        p->helpers = calloc((size_t)threads - 1, sizeof(pthread_t));
+        if (!p->helpers) { free(p); return NULL; }
+        for (int i = 0; i < threads - 1; i++) {
+            if (pthread_create(&p->helpers[i], NULL, helper_main, p) != 0) {
+                p->threads = i + 1;   /* destroy joins the ones that started */
+                spel_pool_destroy(p);
+                return NULL;
+            }
+        }
+    }
+    return p;
+}
+
+void spel_pool_destroy(spel_pool *p) {
+    if (!p) return;
+    if (p->threads > 1) {
+        atomic_store(&p->stop, 1);
+        publish(p);
+        for (int i = 0; i < p->threads - 1; i++) pthread_join(p->helpers[i], NULL);
+    }
+    pthread_mutex_destroy(&p->mu);
+    pthread_cond_destroy(&p->cv);
+    free(p->helpers);
+    free(p);
+}
+
+int spel_pool_threads(const spel_pool *p) { return p ? p->threads : 1; }
+
+int64_t spel_pool_block_rows(const spel_pool *p, int64_t rows) {
+    int64_t parts = (int64_t)spel_pool_threads(p) * SPEL_BLOCKS_PER_THREAD;
+    int64_t bs = (rows + parts - 1) / parts;
+    return bs < 1 ? 1 : bs;
+}
+
+void spel_pool_run(spel_pool *p, spel_task_fn fn, void *ctx, int64_t nblocks) {
+    if (!p || p->threads == 1 || nblocks <= 1) {
+        for (int64_t b = 0; b < nblocks; b++) fn(ctx, b);
+        return;
+    }
+    p->fn = fn;
+    p->ctx = ctx;
+    p->nblocks = nblocks;
+    atomic_store_explicit(&p->next, 0, memory_order_relaxed);
+    atomic_store_explicit(&p->checked_in, 0, memory_order_relaxed);
+    publish(p);
+    run_blocks(p);
+    int spins = 0;
+    while (atomic_load_explicit(&p->checked_in, memory_order_acquire) < p->threads - 1) {
+        if (++spins < SPIN_ITERS) cpu_relax();
+        else sched_yield();   /* helpers may be descheduled on a busy machine */
+    }
+}
+
+/* --- stress test support --- */
+static void count_block(void *ctx, int64_t block) {
+    (void)block;
+    atomic_fetch_add_explicit((atomic_int_fast64_t *)ctx, 1, memory_order_relaxed);
+}
+
+int64_t spel_pool_stress(spel_pool *p, int64_t n, int64_t nblocks) {
+    atomic_int_fast64_t count;
+    atomic_init(&count, 0);
+    for (int64_t i = 0; i < n; i++) spel_pool_run(p, count_block, &count, nblocks);
+    return (int64_t)atomic_load(&count);
+}

@@ -1,0 +1,204 @@
+/* Quantizers, 2-bit packing and activation preparation.
+ *
+ * Bit-exact twins of spel_mlx/quant.py: round-half-to-even (rintf), one float32
+ * division per element, scale sums in double strictly left to right.  Built with
+ * -ffp-contract=off so no multiply-add is fused behind our back. */
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "spel_internal.h"
+
+static inline float clampf(float v, float lo, float hi) { return v < lo ? lo : (v > hi ? hi : v); }
+
+void spel_quantize_q8(const float *w, int64_t rows, int64_t cols, int8_t *q, float *s) {
+    for (int64_t r = 0; r < rows; r++) {
+        const float *wr = w + r * cols;
+        float amax = 0.0f;
+        for (int64_t j = 0; j < cols; j++) {
+            float v = fabsf(wr[j]);
+            if (v > amax) amax = v;
+        }
+        float sr = amax / 127.0f;
+        s[r] = sr;
+        for (int64_t j = 0; j < cols; j++)
+            q[r * cols + j] = sr != 0.0f ? (int8_t)clampf(rintf(wr[j] / sr), -127.0f, 127.0f) : 0;
+    }
+}
+
+float spel_quantize_activation(const float *x, int64_t n, int8_t *xq) {
+    float s;
+    spel_quantize_q8(x, 1, n, xq, &s);
+    return s;
+}
+
+void spel_quantize_ternary(const float *w, int64_t rows, int64_t cols, int8_t *t, float *s) {
+    for (int64_t r = 0; r < rows; r++) {
+        const float *wr = w + r * cols;
+        int8_t *tr = t + r * cols;
+        if (cols == 0) { s[r] = 0.0f; continue; }
+        double acc = 0.0;
+        for (int64_t j = 0; j < cols; j++) acc += (double)fabsf(wr[j]);
+        float sr = (float)(acc / (double)cols);
+        for (int it = 0; it <= 3; it++) {
+            double wq = 0.0;
+            int64_t qq = 0;
+            for (int64_t j = 0; j < cols; j++) {
+                float qj = sr != 0.0f ? clampf(rintf(wr[j] / sr), -1.0f, 1.0f) : 0.0f;
+                if (it == 3) { tr[j] = (int8_t)qj; continue; }   /* final q with final s */
+                wq += (double)(wr[j] * qj);
+                qq += qj != 0.0f;
+            }
+            if (it < 3 && qq > 0) sr = (float)(wq / (double)qq);
+        }
+        s[r] = sr;
+    }
+}
+
+int64_t spel_ternary_row_bytes(int64_t cols) { return spel_pad_cols(cols) / 4; }
+
+void spel_pack_ternary(const int8_t *t, int64_t rows, int64_t cols, uint8_t *packed) {
+    int64_t rb = spel_ternary_row_bytes(cols);
+    for (int64_t r = 0; r < rows; r++) {
+        uint8_t *pr = packed + r * rb;
+        memset(pr, 0, (size_t)rb);
+        for (int64_t j = 0; j < cols; j++) {
+            int8_t v = t[r * cols + j];
+            uint8_t code = v > 0 ? 1 : (v < 0 ? 3 : 0);
+            pr[j >> 2] |= (uint8_t)(code << (2 * (j & 3)));
+        }
+    }
+}
+
+/* Ternary SIMD kernels read the canonical packing directly; instead of shuffling
+ * weights they get the activation pre-permuted once per GEMV so that "sub-block k"
+ * (the codes at bit offset 2k of each byte, i.e. weights 4j+k) meets its inputs:
+ *   NEON (16-byte vectors): block b of 64 weights -> xperm[b*64 + k*16 + j] = x[b*64 + 4j + k]
+ *   AVX2 (32-byte vectors): block pair p          -> xperm[p*128 + k*32 + h*16 + j]
+ *                                                     = x[(2p+h)*64 + 4j + k]
+ *   an odd last block on AVX2 uses the NEON form. */
+static void permute_for_kernel(const int8_t *xq, int64_t npad, int kernel, int8_t *xp) {
+    int64_t nb = npad / SPEL_PAD;
+    if (kernel == SPEL_KERNEL_SCALAR) {
+        memcpy(xp, xq, (size_t)npad);
+        return;
+    }
+    int64_t b = 0;
+    if (kernel == SPEL_KERNEL_AVX2) {
+        for (; b + 1 < nb; b += 2) {
+            int8_t *dst = xp + b * SPEL_PAD;
+            for (int k = 0; k < 4; k++)
+                for (int h = 0; h < 2; h++)
+                    for (int j = 0; j < 16; j++)
+                        dst[k * 32 + h * 16 + j] = xq[(b + h) * SPEL_PAD + 4 * j + k];
+        }
+    }
+    for (; b < nb; b++) {
+        int8_t *dst = xp + b * SPEL_PAD;
+        for (int k = 0; k < 4; k++)
+            for (int j = 0; j < 16; j++) dst[k * 16 + j] = xq[b * SPEL_PAD + 4 * j + k];
+    }
+}
+
+static void act_finish(spel_act *a, int64_t n, int kernel) {
+    a->n = n;
+    a->npad = spel_pad_cols(n);
+    memset(a->xq + n, 0, (size_t)(a->npad - n));
+    int32_t sum = 0;
+    for (int64_t i = 0; i < n; i++) sum += a->xq[i];
+    a->sum = sum;
+    permute_for_kernel(a->xq, a->npad, kernel, a->xperm);
+}
+
+void spel_act_quantize(spel_act *a, const float *x, int64_t n, int kernel) {
+    a->sx = spel_quantize_activation(x, n, a->xq);
+    act_finish(a, n, kernel);
+}
+
+void spel_act_from_int8(spel_act *a, const int8_t *xq, int64_t n, int kernel) {
+    memmove(a->xq, xq, (size_t)n);
+    a->sx = 1.0f;
+    act_finish(a, n, kernel);
+}
+
+static void *alloc64(size_t n) {
+    void *p = NULL;
+    if (posix_memalign(&p, 64, n ? n : 64) != 0) return NULL;
+    return p;
+}
+
+int spel_qmat_init(spel_qmat *m, const float *w, int64_t rows, int64_t cols, int ternary) {
+    memset(m, 0, sizeof *m);
+    m->ternary = ternary;
+    m->rows = rows;
+    m->cols = cols;
+    m->stride = ternary ? spel_ternary_row_bytes(cols) : spel_pad_cols(cols);
+    m->data = alloc64((size_t)(m->stride * rows));
+    m->scale = alloc64((size_t)rows * sizeof(float));
+    int8_t *tmp = malloc((size_t)(cols ? cols : 1));
+    if (!m->data || !m->scale || !tmp) {
+        free(tmp);
+        spel_qmat_release(m);
+        return -1;
+    }
+    for (int64_t r = 0; r < rows; r++) {
+        if (ternary) {
+            spel_quantize_ternary(w + r * cols, 1, cols, tmp, &m->scale[r]);
+            spel_pack_ternary(tmp, 1, cols, m->data + r * m->stride);
+        } else {
+            int8_t *dst = (int8_t *)m->data + r * m->stride;
+            spel_quantize_q8(w + r * cols, 1, cols, dst, &m->scale[r]);
+            memset(dst + cols, 0, (size_t)(m->stride - cols));
+        }
+    }
+    free(tmp);
+    return 0;
+}
+
+void spel_qmat_release(spel_qmat *m) {
+    free(m->data);
+    free(m->scale);
+    m->data = NULL;
+    m->scale = NULL;
+}
+
+/* --- raw integer dots (tests and benchmarks) --- */
+static int act_alloc(spel_act *a, int64_t n) {
+    int64_t npad = spel_pad_cols(n);
+    a->xq = alloc64((size_t)npad);
+    a->xperm = alloc64((size_t)npad);
+    if (!a->xq || !a->xperm) { free(a->xq); free(a->xperm); return -1; }
+    return 0;
+}
+
+int spel_dot_ternary(int kernel, const uint8_t *packed, int64_t rows, int64_t cols,
+                     const int8_t *xq, int32_t *out) {
+    kernel = spel_kernel_resolve(kernel);
+    if (kernel < 0) return -1;
+    spel_act a;
+    if (act_alloc(&a, cols)) return -2;
+    spel_act_from_int8(&a, xq, cols, kernel);
+    spel_tern_kernel(kernel)(packed, spel_ternary_row_bytes(cols), 0, rows, &a, out);
+    free(a.xq);
+    free(a.xperm);
+    return 0;
+}
+
+int spel_dot_q8(int kernel, const int8_t *q, int64_t rows, int64_t cols, const int8_t *xq, int32_t *out) {
+    kernel = spel_kernel_resolve(kernel);
+    if (kernel < 0) return -1;
+    int64_t stride = spel_pad_cols(cols);
+    int8_t *padded = alloc64((size_t)(stride * rows));
+    spel_act a;
+    if (!padded || act_alloc(&a, cols)) { free(padded); return -2; }
+    for (int64_t r = 0; r < rows; r++) {
+        memcpy(padded + r * stride, q + r * cols, (size_t)cols);
+        memset(padded + r * stride + cols, 0, (size_t)(stride - cols));
+    }
+    spel_act_from_int8(&a, xq, cols, kernel);
+    spel_q8_kernel(kernel)(padded, stride, 0, rows, &a, out);
+    free(padded);
+    free(a.xq);
+    free(a.xperm);
+    return 0;
+}

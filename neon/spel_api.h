@@ -1,0 +1,85 @@
+/* Public C API of the spel draft engine (cffi reads this file as its cdef, so it
+ * holds only declarations: no #include, no #if). */
+
+typedef struct spel_pool spel_pool;
+typedef struct spel_draft spel_draft;
+
+/* kernel ids; SPEL_KERNEL_AUTO resolves to the best available one */
+enum {
+    SPEL_KERNEL_AUTO = -1,
+    SPEL_KERNEL_SCALAR = 0,
+    SPEL_KERNEL_AVX2 = 1,
+    SPEL_KERNEL_DOTPROD = 2,
+    SPEL_KERNEL_ADDSUB = 3,
+    SPEL_KERNEL_COUNT = 4
+};
+
+const char *spel_kernel_name(int kernel);
+int spel_kernel_available(int kernel);
+int spel_kernel_resolve(int kernel);          /* AUTO -> best; unavailable -> -1 */
+
+/* --- quantizers (bit-exact twins of spel_mlx/quant.py) --- */
+void spel_quantize_q8(const float *w, int64_t rows, int64_t cols, int8_t *q, float *s);
+void spel_quantize_ternary(const float *w, int64_t rows, int64_t cols, int8_t *t, float *s);
+int64_t spel_ternary_row_bytes(int64_t cols);
+void spel_pack_ternary(const int8_t *t, int64_t rows, int64_t cols, uint8_t *packed);
+float spel_quantize_activation(const float *x, int64_t n, int8_t *xq);
+
+/* --- raw int32 dot products of every row with an int8 vector (tests, benchmarks) ---
+ * packed: [rows][spel_ternary_row_bytes(cols)]; q8: [rows][cols]. Return 0, or -1 when
+ * the kernel is not available on this CPU. */
+int spel_dot_ternary(int kernel, const uint8_t *packed, int64_t rows, int64_t cols,
+                     const int8_t *xq, int32_t *out);
+int spel_dot_q8(int kernel, const int8_t *q, int64_t rows, int64_t cols,
+                const int8_t *xq, int32_t *out);
+
+/* --- persistent worker pool --- */
+spel_pool *spel_pool_create(int threads);      /* threads 1..6 (caller included) */
+void spel_pool_destroy(spel_pool *pool);
+int spel_pool_threads(const spel_pool *pool);
+/* stress/diagnostic: n dispatches of nblocks empty-ish blocks; returns the count of
+ * blocks executed (must be n * nblocks) */
+int64_t spel_pool_stress(spel_pool *pool, int64_t n, int64_t nblocks);
+
+/* --- a standalone quantized matrix for benchmarks: y = W x on the pool --- */
+typedef struct spel_matrix spel_matrix;
+spel_matrix *spel_matrix_new(const float *w, int64_t rows, int64_t cols, int ternary);
+void spel_matrix_free(spel_matrix *m);
+int spel_matrix_gemv(spel_matrix *m, spel_pool *pool, int kernel, const float *x, float *y);
+int spel_f32_gemv(spel_pool *pool, const float *w, int64_t rows, int64_t cols,
+                  const float *x, float *y);
+
+/* --- the draft engine --- */
+typedef struct {
+    int d_model, n_heads, head_dim, d_ff, vocab, max_seq, n_layers, ring;
+    float rope_theta, norm_eps;
+    int threads, kernel, q8_head;
+} spel_draft_config;
+
+/* layer kinds */
+enum { SPEL_LAYER_GDN = 0, SPEL_LAYER_ATTN = 1 };
+
+spel_draft *spel_draft_new(const spel_draft_config *cfg, const int *layer_kinds);
+const char *spel_draft_error(const spel_draft *d);
+/* shared tensors: tok_emb [V,d], final_norm [d], lm_head [V,d] */
+int spel_draft_set_shared(spel_draft *d, const float *tok_emb, const float *final_norm,
+                          const float *lm_head);
+/* one layer; conv/decay/beta are NULL for attention layers */
+int spel_draft_set_layer(spel_draft *d, int layer, const float *attn_norm, const float *conv,
+                         const float *wqkv, const float *wo, const float *decay_logit,
+                         const float *beta_logit, const float *ffn_norm, const float *w1,
+                         const float *w3, const float *w2);
+int spel_draft_ready(spel_draft *d);          /* all tensors set -> 0 */
+void spel_draft_free(spel_draft *d);
+
+int spel_draft_forward(spel_draft *d, const int32_t *tokens, int m, float *logits);
+/* continue the uncommitted batch at offset start (0 <= start <= its length) */
+int spel_draft_forward_from(spel_draft *d, const int32_t *tokens, int m, int start, float *logits);
+int spel_draft_step(spel_draft *d, int32_t token, float *logits);
+int spel_draft_propose(spel_draft *d, int32_t pending, int k, int32_t *out_tokens);
+int spel_draft_commit(spel_draft *d, int n);
+void spel_draft_reset(spel_draft *d);
+int64_t spel_draft_pos(const spel_draft *d);
+int spel_draft_kernel(const spel_draft *d);
+int spel_draft_threads(const spel_draft *d);
+int64_t spel_draft_packed_bytes(const spel_draft *d, int which);  /* 0 q8, 1 ternary */
