@@ -1,0 +1,489 @@
+"""Markdown report and PNG plots from a benchmark results JSON (bench/run.py).
+
+Every figure is printed as ``median (min–max)`` over process runs; rows with no figure
+say why ("not available", "skipped", "error"). The cost-model projection is printed
+beside every measured speculative row, with that row's own c, v and alpha.
+"""
+from __future__ import annotations
+
+import os
+
+from . import common
+from .common import fmt_num, fmt_range, metric
+
+# SPEC 9: the original's figures (Apple M5, C11, FP32 target), for the side-by-side column
+ORIGINAL = {
+    ("21m", "ar"): "366.5–371.0 tok/s",
+    ("21m", "draft1"): "2974–2982 tok/s (c = 0.12)",
+    ("21m", "draft4"): "4395–4628 tok/s at 4 threads (c = 0.08)",
+    ("21m", "raw"): "1.45–1.48× at 4 threads (alpha 0.618, in-domain K=4)",
+    ("21m", "v5"): "1.98–2.02",
+    ("21m", "forced16"): "3.45–3.52× (K=16)",
+    ("21m", "rollback"): "~0.5 ns vs 108–113 µs (4.5 MiB KV)",
+    ("218m", "ar"): "29.5–29.9 tok/s",
+    ("218m", "draft1"): "333–354 tok/s (c = 0.08–0.09)",
+    ("218m", "forced16"): "5.50–5.61× (K=16)",
+}
+
+STATUS_MARK = {common.NOT_AVAILABLE: "not available", common.SKIPPED: "skipped",
+               common.ERROR: "error"}
+
+
+def _rows(results, section=None, regime=None, **eq):
+    out = []
+    for r in results["rows"]:
+        if section is not None and r["section"] != section:
+            continue
+        if regime is not None and r.get("regime") != regime:
+            continue
+        if any(r.get(k) != v for k, v in eq.items()):
+            continue
+        out.append(r)
+    return out
+
+
+def _why(r, limit: int = 0) -> str:
+    note = r.get("note", "") or ""
+    if limit and len(note) > limit:
+        note = note[:limit - 1] + "…"
+    return f"{STATUS_MARK.get(r['status'], r['status'])}: {note}".strip().rstrip(":")
+
+
+def _table(header, body) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
+    for b in body:
+        lines.append("| " + " | ".join(str(x).replace("|", "/") for x in b) + " |")
+    return "\n".join(lines)
+
+
+def _cell(r, name, suffix=""):
+    """'median (min–max)' of a row's metric, or the row's status."""
+    if r is None:
+        return "—"
+    if r["status"] != common.OK:
+        return STATUS_MARK.get(r["status"], r["status"])
+    m = r["metrics"].get(name)
+    if m is None or (isinstance(m, dict) and m.get("median") is None):
+        return "—"
+    return fmt_range(m) + suffix
+
+
+def _first(rows):
+    return rows[0] if rows else None
+
+
+def _ok(rows):
+    return [r for r in rows if r["status"] == common.OK]
+
+
+# --------------------------------------------------------------------------- sections
+
+def headline(results) -> tuple:
+    """(markdown table, list of regimes) of the cross-regime summary."""
+    regimes = [g for g in results["params"]["regimes"]]
+    K = results["params"]["K"]
+    lines = []
+
+    def b3(regime, name, placement_prefix="target=mlx-cpu", threads=None, Kv=None):
+        for r in _rows(results, "b3", regime, name=name):
+            if not (r.get("placement") or "").startswith(placement_prefix):
+                continue
+            if threads is not None and r.get("threads") != threads:
+                continue
+            if Kv is not None and r.get("K") != Kv:
+                continue
+            return r
+        return None
+
+    threads = results["params"]["threads"]
+    spec_cell = lambda r: "—" if r is None else (  # noqa: E731
+        _cell(r, "tok_s") + " tok/s, " + _cell(r, "speedup") + "× AR, alpha " + _cell(r, "alpha")
+        + (", projected " + _cell(r, "projected") + "×" if r["status"] == common.OK else "")
+        if r["status"] == common.OK else _why(r, 70))
+    body = []
+    body.append(["AR target tok/s (MLX, CPU)"] +
+                [_cell(b3(g, "AR target"), "tok_s") for g in regimes] +
+                [ORIGINAL.get(("21m", "ar"), "")])
+    for t in threads:
+        body.append([f"draft-only tok/s, C draft, {t} thread{'s' if t > 1 else ''} (c)"] +
+                    [(_cell(r, "tok_s") + f" (c = {_cell(r, 'c')})") if r and r["status"] == common.OK
+                     else (_why(r, 70) if r else "—")
+                     for r in (b3(g, "draft only", "target=mlx-cpu draft=c-cpu", t) for g in regimes)] +
+                    [ORIGINAL.get(("21m", "draft1" if t == 1 else "draft4"), "") if t in (1,) else ""])
+    v_rows = {g: _first([r for r in _rows(results, "b2", g, mode="fast", K=K)
+                         if r.get("placement") == "target=mlx-cpu"]) for g in regimes}
+    vs_rows = {g: _first([r for r in _rows(results, "b2", g, mode="strict", K=K)
+                          if r.get("placement") == "target=mlx-cpu"]) for g in regimes}
+    body.append([f"v at M=K+1={K+1}, fast (strict)"] +
+                [f"{_cell(v_rows[g], 'v')} ({_cell(vs_rows[g], 'v')})" for g in regimes] +
+                [ORIGINAL[("21m", "v5")] + " (fast)"])
+    for name, label in (("raw spec", "raw speculation"), ("governed spec", "governed"),
+                        ("forced 0.75", "forced 0.75 (ceiling)"), ("forced 1.00", "forced 1.00 (ceiling)")):
+        for t in threads:
+            body.append([f"{label}, K={K}, C draft {t} thr"] +
+                        [spec_cell(b3(g, name, "target=mlx-cpu draft=c-cpu", t, K)) for g in regimes] +
+                        [ORIGINAL.get(("21m", "raw"), "") if (name == "raw spec" and t == threads[-1]) else ""])
+    Kc = results["params"].get("K_ceiling")
+    if Kc:
+        body.append([f"forced 1.00, K={Kc}, C draft 1 thr"] +
+                    [spec_cell(b3(g, "forced 1.00", "target=mlx-cpu draft=c-cpu", 1, Kc)) for g in regimes] +
+                    [ORIGINAL[("21m", "forced16")]])
+    body.append(["full-target oracle (draft = target)"] +
+                [spec_cell(b3(g, "full-target oracle")) for g in regimes] + ["0.82–0.85× (K=16)"])
+    rb = {g: (b3(g, "rollback primitive (commit of K+1 pending)"), b3(g, "copy the attention KV cache"))
+          for g in regimes}
+    body.append(["rollback primitive vs KV copy"] +
+                [(f"{_cell(p, 'us')} µs vs {_cell(c, 'us')} µs ({_cell(c, 'mib')} MiB)"
+                  if p and c and p["status"] == common.OK and c["status"] == common.OK else "—")
+                 for p, c in rb.values()] + [ORIGINAL[("21m", "rollback")]])
+    peer = {g: _first(_rows(results, "peers", g, mode="ar", name="mlx-lm Llama-style greedy (random weights)"))
+            for g in regimes}
+    peer_gdn = {g: _first(_rows(results, "peers", g, mode="ar",
+                                name="mlx-lm GDN hybrid (qwen3_next) greedy (random weights)")) for g in regimes}
+    body.append(["mlx-lm Llama-style greedy, same shape"] +
+                [_cell(peer[g], "tok_s") if peer[g] else "—" for g in regimes] + [""])
+    body.append(["mlx-lm GDN hybrid greedy, same shape"] +
+                [_cell(peer_gdn[g], "tok_s") if peer_gdn[g] else "—" for g in regimes] + [""])
+    header = ["figure"] + [f"{g}" for g in regimes] + ["original (Apple M5, C11)"]
+    return _table(header, body), regimes
+
+
+def regime_section(results) -> str:
+    out = []
+    for name, info in results.get("regimes", {}).items():
+        cfg = info.get("config", {})
+        out.append(f"- **{name}** — {info['label']}. Weights: {info['weights_source']}. "
+                   f"Prompts: {info['prompt_source']}. Target {info['target_params']:,} parameters, "
+                   f"draft {info['draft_params']:,} (d_model {cfg.get('d_model')}, "
+                   f"{cfg.get('n_layers')} layers, d_ff {cfg.get('d_ff')}, draft_map "
+                   f"{cfg.get('draft_map')}).")
+    return "\n".join(out)
+
+
+def b1_section(results) -> str:
+    rows = _rows(results, "b1")
+    if not rows:
+        return "_B1 was not run._"
+    names = []
+    for r in rows:
+        for n in r.get("metrics", {}):
+            if n not in names:
+                names.append(n)
+    body = []
+    for r in rows:
+        if r["status"] != common.OK:
+            body.append([r["name"], r.get("threads") or "—"] + ["—"] * len(names) + [_why(r)])
+        else:
+            body.append([r["name"], r.get("threads") or "—"] + [_cell(r, n) for n in names] +
+                        [r.get("note", "")])
+    return _table(["kernel", "threads"] + names + ["note"], body)
+
+
+def b2_section(results) -> str:
+    parts = []
+    for g in results["params"]["regimes"]:
+        rows = _rows(results, "b2", g)
+        if not rows:
+            continue
+        parts.append(f"**{g}**")
+        for placement in dict.fromkeys(r["placement"] for r in rows):
+            pr = [r for r in rows if r["placement"] == placement]
+            ar = _first([r for r in pr if r["mode"] == "ar"])
+            if not _ok(pr):
+                parts.append(f"- {placement}: {_why(pr[0])}")
+                continue
+            parts.append(f"- {placement}: one AR token {_cell(ar, 'ms')} ms")
+            body = []
+            for K in results["params"]["b2_K"]:
+                s = _first([r for r in pr if r["mode"] == "strict" and r["K"] == K])
+                f = _first([r for r in pr if r["mode"] == "fast" and r["K"] == K])
+                body.append([K, K + 1, _cell(s, "ms"), _cell(s, "v"), _cell(f, "ms"), _cell(f, "v")])
+            parts.append("")
+            parts.append(_table(["K", "M", "strict ms", "strict v", "fast ms", "fast v"], body))
+            parts.append("")
+    return "\n".join(parts)
+
+
+def b3_section(results) -> str:
+    parts = []
+    for g in results["params"]["regimes"]:
+        rows = _rows(results, "b3", g)
+        if not rows:
+            continue
+        parts.append(f"**{g}**\n")
+        body = []
+        rows_main = [r for r in rows if r["mode"] not in ("rollback", "kv-copy")]
+        i = 0
+        while i < len(rows_main):
+            r = rows_main[i]
+            th = r.get("threads") or "—"
+            if r["status"] != common.OK:
+                # consecutive rows with no figure for the same reason: one line
+                j = i
+                while (j + 1 < len(rows_main) and rows_main[j + 1]["status"] == r["status"]
+                       and rows_main[j + 1].get("note") == r.get("note")
+                       and rows_main[j + 1]["placement"].split()[0] == r["placement"].split()[0]):
+                    j += 1
+                group = rows_main[i:j + 1]
+                names = ", ".join(dict.fromkeys(x["name"] for x in group))
+                places = ", ".join(dict.fromkeys(x["placement"] for x in group))
+                ths = ", ".join(dict.fromkeys(str(x.get("threads") or "—") for x in group))
+                body.append([names, places, ths, r.get("K") or "—", _why(r)] + [""] * 7)
+                i = j + 1
+                continue
+            i += 1
+            spec = r["mode"] in ("spec", "governed", "forced", "oracle")
+            extra = ""
+            if r["mode"] == "governed":
+                extra = f"trips {_cell(r, 'governor_trips')}, AR rounds {_cell(r, 'ar_rounds')}"
+            if r.get("note"):
+                extra = (extra + "; " if extra else "") + r["note"]
+            body.append([r["name"], r["placement"], th, r.get("K") or "—", _cell(r, "tok_s"),
+                         _cell(r, "speedup") if r["mode"] != "draft-only" else "—",
+                         _cell(r, "alpha") if spec else "—",
+                         _cell(r, "c"), _cell(r, "v") if spec else "—",
+                         _cell(r, "projected") if spec else "—",
+                         _cell(r, "tokens_per_round") if spec else "—", extra])
+        parts.append(_table(["path", "placement", "threads", "K", "tok/s", "× AR (measured)", "alpha",
+                             "c", "v", "× AR (cost model)", "tokens/round", "note"], body))
+        rb = [r for r in rows if r["mode"] in ("rollback", "kv-copy")]
+        if rb:
+            parts.append("")
+            parts.append(_table(["rollback", "µs", "note"],
+                                [[r["name"], _cell(r, "us") if r["status"] == common.OK else _why(r),
+                                  (r.get("note", "") + (f"; {_cell(r, 'mib')} MiB, "
+                                                         f"{_cell(r, 'ratio_to_primitive')}× the primitive"
+                                                         if r["mode"] == "kv-copy" and r["status"] == common.OK
+                                                         else ""))] for r in rb]))
+        parts.append("")
+    return "\n".join(parts)
+
+
+def peers_section(results) -> str:
+    rows = _rows(results, "peers")
+    if not rows:
+        return "_Peers were not run._"
+    body = []
+    for r in rows:
+        spel = _first([x for x in _rows(results, "b3", r["regime"], name="AR target")
+                       if x["placement"] == "target=mlx-cpu"])
+        ratio = "—"
+        if r["status"] == common.OK and spel and spel["status"] == common.OK and r["mode"] == "ar":
+            a, b = metric(spel, "tok_s"), metric(r, "tok_s")
+            if a and b:
+                ratio = f"{a / b:.2f}×"
+        if r["status"] != common.OK:
+            body.append([r["regime"], r["name"], r.get("K") or "—", _why(r), "", "", ""])
+        else:
+            body.append([r["regime"], r["name"], r.get("K") or "—", _cell(r, "tok_s"),
+                         _cell(r, "draft_token_share") if "draft_token_share" in r["metrics"] else "—",
+                         fmt_num(metric(r, "params")) if "params" in r["metrics"] else "—", ratio])
+    return _table(["regime", "peer", "K", "tok/s", "draft share of tokens", "params",
+                   "SPEL AR / peer AR"], body)
+
+
+def problems_section(results) -> str:
+    bad = [r for r in results["rows"] if r["status"] == common.ERROR]
+    if not bad:
+        return "No row failed."
+    return "\n".join(f"- {r['section']} / {r.get('regime')} / {r['name']} / {r.get('placement')}: "
+                     f"{r.get('note', '')}" for r in bad)
+
+
+# --------------------------------------------------------------------------- plots
+
+def make_plots(results, img_dir) -> tuple:
+    """([(title, path)], note). Needs matplotlib (optional extra ``plots``)."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except Exception as e:
+        return [], (f"Plots skipped: matplotlib is not installed ({type(e).__name__}); "
+                    "`pip install spel-mlx[plots]` to get them.")
+    os.makedirs(img_dir, exist_ok=True)
+    made = []
+    regimes = results["params"]["regimes"]
+    K = results["params"]["K"]
+
+    # 1. decode tok/s by mode (CPU target, each draft placement), per regime
+    fig, axes = plt.subplots(1, len(regimes), figsize=(6.5 * len(regimes), 4.2), squeeze=False)
+    for ax, g in zip(axes[0], regimes):
+        rows = [r for r in _rows(results, "b3", g)
+                if r["status"] == common.OK and r["mode"] not in ("rollback", "kv-copy", "draft-only")
+                and (r.get("K") in (None, K))]
+        labels, meds, lo, hi = [], [], [], []
+        for r in rows:
+            m = r["metrics"]["tok_s"]
+            pl = r["placement"].replace("target=mlx-cpu", "").replace("draft=", "").strip()
+            th = f" t{r['threads']}" if r.get("threads") else ""
+            labels.append(f"{r['name']}\n{pl}{th}".strip())
+            meds.append(m["median"])
+            lo.append(m["median"] - m["min"])
+            hi.append(m["max"] - m["median"])
+        if meds:
+            ax.barh(range(len(meds)), meds, xerr=[lo, hi], color="#4c72b0", capsize=2)
+            ax.set_yticks(range(len(meds)))
+            ax.set_yticklabels(labels, fontsize=6)
+            ax.invert_yaxis()
+        ax.set_xlabel("tok/s (median, min–max over process runs)")
+        ax.set_title(f"B3 decode, {g} (target MLX CPU, K={K})", fontsize=9)
+    fig.tight_layout()
+    p = os.path.join(img_dir, "decode_tok_s.png")
+    fig.savefig(p, dpi=110)
+    plt.close(fig)
+    made.append(("Decode tok/s by mode and placement", p))
+
+    # 2. c and v by placement
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    width = 0.8 / max(1, len(regimes))
+    cats = []
+    for g in regimes:
+        for r in _rows(results, "b3", g, mode="draft-only"):
+            lab = r["placement"].split("draft=")[-1] + (f" t{r['threads']}" if r.get("threads") else "")
+            if lab not in cats:
+                cats.append(lab)
+    for i, g in enumerate(regimes):
+        vals = []
+        for lab in cats:
+            r = _first([r for r in _rows(results, "b3", g, mode="draft-only")
+                        if r["status"] == common.OK and
+                        r["placement"].split("draft=")[-1] + (f" t{r['threads']}" if r.get("threads") else "") == lab])
+            vals.append(metric(r, "c") if r else 0.0)
+        axes[0].bar([x + i * width for x in range(len(cats))], vals, width, label=g)
+    axes[0].set_xticks([x + width * (len(regimes) - 1) / 2 for x in range(len(cats))])
+    axes[0].set_xticklabels(cats, fontsize=8)
+    axes[0].set_ylabel("c = draft token / AR token")
+    axes[0].set_title("draft cost c by draft placement (0 = not available)", fontsize=9)
+    axes[0].legend(fontsize=8)
+    for g in regimes:
+        for mode, style in (("fast", "-o"), ("strict", "--s")):
+            rs = [r for r in _rows(results, "b2", g, mode=mode)
+                  if r["status"] == common.OK and r["placement"] == "target=mlx-cpu"]
+            if rs:
+                axes[1].plot([r["K"] + 1 for r in rs], [metric(r, "v") for r in rs], style,
+                             label=f"{g} {mode}")
+    axes[1].set_xlabel("M = K+1")
+    axes[1].set_ylabel("v = verify(M) / AR token")
+    axes[1].set_title("verification cost v, target MLX on CPU", fontsize=9)
+    axes[1].legend(fontsize=8)
+    fig.tight_layout()
+    p = os.path.join(img_dir, "c_v_by_placement.png")
+    fig.savefig(p, dpi=110)
+    plt.close(fig)
+    made.append(("c and v by placement", p))
+
+    # 3. measured vs projected speedup across alpha
+    fig, axes = plt.subplots(1, len(regimes), figsize=(6 * len(regimes), 4.2), squeeze=False)
+    alphas = [i / 50 for i in range(51)]
+    for ax, g in zip(axes[0], regimes):
+        for r in _rows(results, "b3", g, mode="spec"):
+            if r["status"] != common.OK or metric(r, "c") is None or metric(r, "v") is None:
+                continue
+            c, v, Kr = metric(r, "c"), metric(r, "v"), r["K"]
+            lab = r["placement"].split("draft=")[-1] + (f" t{r['threads']}" if r.get("threads") else "")
+            line, = ax.plot(alphas, [common.cost_model_speedup(a, Kr, c, v) for a in alphas],
+                            label=f"model {lab} (c={c:.2f}, v={v:.2f})")
+            pts = [x for x in _rows(results, "b3", g, placement=r["placement"], threads=r.get("threads"), K=Kr)
+                   if x["status"] == common.OK and x["mode"] in ("spec", "forced", "governed")]
+            ax.plot([metric(x, "alpha") for x in pts], [metric(x, "speedup") for x in pts], "o",
+                    color=line.get_color(), label=f"measured {lab}")
+        ax.axhline(1.0, color="grey", lw=0.8)
+        ax.set_xlabel("alpha (accepted / proposed)")
+        ax.set_ylabel("× AR")
+        ax.set_title(f"{g}: measured vs cost model, K={K}", fontsize=9)
+        ax.legend(fontsize=6)
+    fig.tight_layout()
+    p = os.path.join(img_dir, "speedup_vs_alpha.png")
+    fig.savefig(p, dpi=110)
+    plt.close(fig)
+    made.append(("Measured vs projected speedup across alpha", p))
+    return made, ""
+
+
+# --------------------------------------------------------------------------- document
+
+def render(results, plots=(), plot_note="", md_dir=".") -> str:
+    p = results["params"]
+    mach = results.get("machine", {})
+    head_table, _ = headline(results)
+    L = []
+    L.append("# spel-mlx benchmarks")
+    L.append("")
+    L.append(f"Generated by `python -m bench{'' if results['level'] == 'full' else ' --' + results['level']}` "
+             f"on {results['created']} ({results['wall_s']:.0f} s). Machine: "
+             f"{mach.get('cpu_model', mach.get('machine', '?'))}, {mach.get('cpus', '?')} CPUs, "
+             f"{mach.get('platform', '?')}; MLX {mach.get('mlx', '?')} (default device "
+             f"{mach.get('mlx_default_device', '?')}, GPU: {'yes' if mach.get('gpu') else 'no'}).")
+    L.append("")
+    L.append(f"Protocol (SPEC 8, the original's §2.1): prompt {p['prompt_len']} tokens, "
+             f"{p['warm']} warm tokens (untimed call), "
+             + ", ".join(f"{v} generated tokens for {k}" for k, v in p['gen'].items() if k in p['regimes'])
+             + f"; K={p['K']}; draft threads {', '.join(map(str, p['threads']))}. Every figure is the "
+             f"median over {p['runs']} independent process runs with the min–max range in "
+             f"parentheses (B1 and peers: one process run). `c` = draft time per draft "
+             f"forward / AR token time, `v` = one K+1 verification / one AR token, both "
+             f"measured inside the row's own rounds; the cost model is "
+             f"`speedup(alpha) = (1 + alpha·K) / ((K+1)·c + v)`. Forced-acceptance rows are "
+             f"system ceilings (real draft and target forwards, accepted prefix forced), never "
+             f"decoding results.")
+    L.append("")
+    L.append("## Regimes")
+    L.append("")
+    L.append(regime_section(results))
+    L.append("")
+    L.append("## Headline")
+    L.append("")
+    L.append(head_table)
+    L.append("")
+    L.append("## B1: kernels")
+    L.append("")
+    L.append(b1_section(results))
+    L.append("")
+    L.append("## B2: verification cost v at M = K+1")
+    L.append("")
+    L.append(b2_section(results))
+    L.append("")
+    L.append("## B3: decode, with the cost model beside every speculative row")
+    L.append("")
+    L.append("`× AR (measured)` divides the row's tok/s by the AR row of the same process run; "
+             "`× AR (cost model)` evaluates the formula with the row's own alpha, c and v "
+             "(governed: speculative and AR rounds weighted by their counts). The gap between "
+             "the two is what the model leaves out: Python round overhead, argmax, commits.")
+    L.append("")
+    L.append(b3_section(results))
+    L.append("## Peers (mlx-lm, same shapes, random weights)")
+    L.append("")
+    L.append(peers_section(results))
+    L.append("")
+    L.append("## Plots")
+    L.append("")
+    if plot_note:
+        L.append(plot_note)
+    for title, path in plots:
+        rel = os.path.relpath(path, md_dir)
+        L.append(f"![{title}]({rel})")
+        L.append("")
+    L.append("## Failed rows")
+    L.append("")
+    L.append(problems_section(results))
+    L.append("")
+    L.append("Raw results: `benchmarks.json` beside this file (schema "
+             f"`{results['schema']}`), with every process run's figures under each metric's `runs`.")
+    L.append("")
+    return "\n".join(L)
+
+
+def write_report(results, out_dir, plots=True) -> list:
+    """Write benchmarks.md (and img/*.png) under out_dir; returns the written paths."""
+    os.makedirs(out_dir, exist_ok=True)
+    made, note = ([], "Plots skipped (--no-plots).")
+    if plots:
+        try:
+            made, note = make_plots(results, os.path.join(out_dir, "img"))
+        except Exception as e:  # a plot must never cost the report
+            made, note = [], f"Plots failed: {type(e).__name__}: {e}"
+    md = render(results, made, note, out_dir)
+    path = os.path.join(out_dir, "benchmarks.md")
+    common.write_text_atomic(path, md)
+    return [path] + [p for _, p in made]

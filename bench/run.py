@@ -1,0 +1,414 @@
+"""``python -m bench``: B1/B2/B3 of the original SPEL, peers, cost model, report.
+
+The parent process only orchestrates: every measurement runs in a fresh worker process
+(``python -m bench --worker JOB.json --worker-out ROWS.json``), so a crash in one
+section (the C draft, say) becomes an error row instead of ending the run, and headline
+rows are measured over several independent process runs (``--runs``), as the original
+reported ranges over process runs. Workers run one after another: they would distort
+each other's timings if they shared the cores.
+
+Levels: ``--smoke`` (a tiny synthetic shape; the test suite's form), ``--quick`` (both
+regimes, few tokens, under 3 minutes on a small CPU machine), default full.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+
+from . import common
+from .common import ERROR, NOT_AVAILABLE, SKIPPED, make_row, unavailable
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+LEVELS = {
+    "smoke": {"regimes": ["tiny"], "runs": 2, "prompt_len": 16, "warm": 2,
+              "gen": {"tiny": 8}, "repeats": 1, "threads": [1, 2], "b2_K": [1, 2, 4],
+              "b2_repeats": 3, "K": 4, "K_ceiling": None, "timeout": 120,
+              "sections": ["b1", "b2", "b3", "peers"], "peers_gen": 8},
+    "quick": {"regimes": ["21m", "218m"], "runs": 2, "prompt_len": 32, "warm": 4,
+              "gen": {"21m": 24, "218m": 6}, "repeats": 1, "threads": [1, 2],
+              "b2_K": [1, 2, 4, 8, 16], "b2_repeats": 3, "K": 4, "K_ceiling": None,
+              "timeout": 240, "sections": ["b1", "b2", "b3", "peers"], "peers_gen": 16},
+    "full": {"regimes": ["21m", "218m"], "runs": 3, "prompt_len": 64, "warm": 8,
+             "gen": {"21m": 64, "218m": 24}, "repeats": 1, "threads": [1, 2],
+             "b2_K": [1, 2, 4, 8, 16], "b2_repeats": 5, "K": 4, "K_ceiling": 16,
+             "timeout": 600, "sections": ["b1", "b2", "b3", "peers"], "peers_gen": 48},
+}
+# sections measured once (in the first process run) rather than in every run
+ONCE = ("b1", "peers")
+
+REGIME_LABELS = {
+    "21m": "21m shape, shipped checkpoint",
+    "218m": "218m shape, synthetic random weights (systems behaviour only)",
+    "tiny": "tiny shape, synthetic random weights (smoke test only)",
+}
+
+
+# --------------------------------------------------------------------------- regimes
+
+def regime_config(name: str):
+    from spel_mlx.config import PRESETS, ModelConfig
+    if name == "tiny":
+        return ModelConfig(d_model=64, n_layers=4, n_heads=2, head_dim=32, d_ff=128,
+                           max_seq=256, draft_map=(0, 3))
+    if name in PRESETS:
+        return PRESETS[name]
+    raise ValueError(f"unknown regime {name!r} (known: 21m, 218m, tiny)")
+
+
+def shipped_checkpoint_dir() -> str:
+    import spel_mlx
+    return os.path.join(os.path.dirname(os.path.abspath(spel_mlx.__file__)), "assets", "default")
+
+
+def synthetic_weights(cfg, seed: int = 0) -> dict:
+    """Random weights for a systems-only regime: spel_mlx.synth when it is there,
+    else the model's own initialiser (same scales)."""
+    try:
+        from spel_mlx import synth
+        for fn_name in ("synthetic_weights", "random_weights", "make_weights"):
+            fn = getattr(synth, fn_name, None)
+            if fn is not None:
+                return fn(cfg, seed=seed)
+    except ImportError:
+        pass
+    from spel_mlx.model import init_weights
+    return init_weights(cfg, seed=seed)
+
+
+def load_regime(name: str) -> dict:
+    """cfg, weights, and labels saying where the weights came from."""
+    cfg = regime_config(name)
+    if name == "21m":
+        path = shipped_checkpoint_dir()
+        try:
+            from spel_mlx.checkpoint import load_checkpoint
+            if not os.path.isdir(path):
+                raise FileNotFoundError(f"{path} does not exist")
+            ck = load_checkpoint(path)
+            return {"name": name, "cfg": ck.cfg, "weights": ck.weights, "systems_only": False,
+                    "weights_source": f"shipped checkpoint ({os.path.relpath(path, REPO)})",
+                    "label": REGIME_LABELS[name]}
+        except Exception as e:
+            why = f"{type(e).__name__}: {e}"
+            return {"name": name, "cfg": cfg, "weights": synthetic_weights(cfg), "systems_only": True,
+                    "weights_source": "synthetic random weights: the shipped checkpoint is not "
+                                      f"available yet ({why})",
+                    "label": "21m shape, synthetic weights (shipped checkpoint not available)"}
+    return {"name": name, "cfg": cfg, "weights": synthetic_weights(cfg), "systems_only": True,
+            "weights_source": "synthetic random weights", "label": REGIME_LABELS[name]}
+
+
+FALLBACK_TEXT = (
+    "It was the best part of the morning, and the family had gathered in the small parlour "
+    "to hear the news that the letter had brought. Nobody spoke at first; then the eldest "
+    "daughter set down her work and asked, with a composure she did not feel, whether the "
+    "gentleman intended to return before the end of the summer. ")
+
+
+def heldout_text() -> tuple:
+    """(text, label): held-out prose the model never trained on.
+
+    Looked for, in order: data/corpus/heldout.txt (``python -m spel_mlx.corpus``), a
+    heldout.txt beside the shipped checkpoint, the corpus sources split on the fly;
+    otherwise a fixed English paragraph, labelled as such."""
+    for path in (os.path.join(REPO, "data", "corpus", "heldout.txt"),
+                 os.path.join(shipped_checkpoint_dir(), "heldout.txt")):
+        if os.path.isfile(path):
+            with open(path, encoding="ascii", errors="replace") as f:
+                text = f.read(1 << 16)
+            if len(text) > 256:
+                return text, f"held-out text ({os.path.relpath(path, REPO)})"
+    try:
+        from spel_mlx import corpus
+        _, held = corpus.split_heldout(corpus.load_source("austen"))
+        if len(held) > 256:
+            return held, "held-out text (austen, split on the fly)"
+    except Exception:
+        pass
+    return FALLBACK_TEXT * 8, "fixed English paragraph (held-out corpus not available)"
+
+
+def prompt_tokens(cfg, n: int, weights_source: str, regime: str) -> tuple:
+    """(tokens, label): n tokens of held-out text for the trained regime; for synthetic
+    weights the text matters little, but the same source keeps the rows comparable."""
+    text, label = heldout_text()
+    # start after the first line break: a prompt that begins on a whole line
+    cut = text.find("\n")
+    if 0 <= cut < len(text) // 2:
+        text = text[cut + 1:]
+    try:
+        from spel_mlx.tokenizer import load_tokenizer
+        tok = load_tokenizer(cfg.vocab)
+        ids = list(tok.encode(text[: 8 * n + 64]))
+    except Exception:
+        ids = [o if o < 128 else 63 for o in map(ord, text[: 8 * n + 64])]
+    ids = [i % cfg.vocab for i in ids]
+    return ids[:n], label
+
+
+# --------------------------------------------------------------------------- worker
+
+def run_worker(job: dict) -> dict:
+    """Measure the sections of one job in this process; never raises."""
+    rows, meta = [], {"job": job, "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+    t_start = time.perf_counter()
+    try:
+        regime = load_regime(job["regime"])
+        cfg = regime["cfg"]
+        prompt, prompt_label = prompt_tokens(cfg, job["prompt_len"], regime["weights_source"],
+                                             job["regime"])
+        regime.update(prompt=prompt, prompt_source=prompt_label)
+        meta["regime"] = {k: regime[k] for k in ("name", "label", "weights_source",
+                                                  "systems_only", "prompt_source")}
+        meta["regime"]["config"] = cfg.to_dict()
+        meta["regime"]["target_params"] = cfg.target_params()
+        meta["regime"]["draft_params"] = cfg.draft_params()
+    except Exception as e:
+        rows.append(unavailable("setup", f"load regime {job['regime']}",
+                                f"{type(e).__name__}: {e}", status=ERROR, regime=job["regime"]))
+        meta["traceback"] = traceback.format_exc()
+        return {"rows": rows, "meta": meta}
+    for section in job["sections"]:
+        t0 = time.perf_counter()
+        try:
+            rows += run_section(section, job, regime)
+        except Exception as e:
+            rows.append(unavailable(section, f"{section} section", f"{type(e).__name__}: {e}",
+                                    status=ERROR, regime=job["regime"]))
+            meta.setdefault("tracebacks", {})[section] = traceback.format_exc()
+        meta.setdefault("section_s", {})[section] = round(time.perf_counter() - t0, 3)
+    meta["wall_s"] = round(time.perf_counter() - t_start, 3)
+    return {"rows": rows, "meta": meta}
+
+
+def run_section(section: str, job: dict, regime: dict) -> list:
+    if section == "b1":
+        return run_b1(job)
+    if section == "b2":
+        from . import b2_verify
+        return b2_verify.run(job, regime)
+    if section == "b3":
+        from . import b3_decode
+        return b3_decode.run(job, regime)
+    if section == "peers":
+        from . import peers
+        return peers.run({"regime": job["regime"], "cfg": regime["cfg"], "prompt": regime["prompt"],
+                          "gen_tokens": job["peers_gen"], "repeats": max(1, job["repeats"]),
+                          "K": job["K"]})
+    raise ValueError(f"unknown section {section!r}")
+
+
+def run_b1(job: dict) -> list:
+    """B1 kernels come from bench/kernels.py (the neon engineer's): ``run(quick=...)``
+    returning rows (dicts) or ``{"rows": [...]}``; anything else is wrapped as one row."""
+    try:
+        from . import kernels
+    except ImportError as e:
+        return [unavailable("b1", "ternary GEMV kernels", f"bench/kernels.py not available ({e})")]
+    fn = getattr(kernels, "run", None)
+    if fn is None:
+        return [unavailable("b1", "ternary GEMV kernels", "bench/kernels.py has no run()")]
+    quick = job["level"] != "full"
+    try:
+        out = fn(quick=quick)
+    except TypeError:
+        out = fn()
+    return normalize_b1(out)
+
+
+def normalize_b1(out) -> list:
+    if isinstance(out, dict) and "rows" in out:
+        out = out["rows"]
+    if isinstance(out, dict):  # {kernel: {metric: value}}
+        out = [dict(name=k, **(v if isinstance(v, dict) else {"value": v})) for k, v in out.items()]
+    rows = []
+    for r in out or []:
+        if "section" in r and "metrics" in r:
+            rows.append(r)
+            continue
+        r = dict(r)
+        name = str(r.pop("name", r.pop("kernel", "kernel")))
+        threads = r.pop("threads", None)
+        note = str(r.pop("note", ""))
+        status = r.pop("status", common.OK)
+        metrics = {k: v for k, v in r.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+        extra = {k: v for k, v in r.items() if k not in metrics}
+        if extra:
+            note = (note + " " + json.dumps(extra, default=str)).strip()
+        primary = "gmac_s" if "gmac_s" in metrics else (next(iter(metrics), None))
+        rows.append(make_row("b1", name, threads=threads, primary=primary, metrics=metrics,
+                             note=note, status=status))
+    return rows
+
+
+# --------------------------------------------------------------------------- orchestration
+
+def build_jobs(level: str, params: dict) -> list:
+    jobs = []
+    for run_idx in range(params["runs"]):
+        for i, regime in enumerate(params["regimes"]):
+            sections = [s for s in params["sections"]
+                        if (s not in ONCE or run_idx == 0) and (s != "b1" or i == 0)]
+            if not sections:
+                continue
+            jobs.append({"level": level, "run": run_idx, "regime": regime, "sections": sections,
+                         "prompt_len": params["prompt_len"], "warm": params["warm"],
+                         "gen": params["gen"].get(regime, 16), "repeats": params["repeats"],
+                         "threads": params["threads"], "b2_K": params["b2_K"],
+                         "b2_repeats": params["b2_repeats"], "K": params["K"],
+                         "K_ceiling": params["K_ceiling"], "peers_gen": params["peers_gen"]})
+    return jobs
+
+
+def spawn(job: dict, timeout: float, log) -> dict:
+    """Run one job in a fresh process; a crash or timeout becomes an error row."""
+    with tempfile.TemporaryDirectory(prefix="spel-bench-") as tmp:
+        job_path, out_path = os.path.join(tmp, "job.json"), os.path.join(tmp, "rows.json")
+        common.write_json_atomic(job_path, job)
+        cmd = [sys.executable, "-m", "bench", "--worker", job_path, "--worker-out", out_path]
+        env = dict(os.environ)
+        env["PYTHONPATH"] = REPO + os.pathsep + env.get("PYTHONPATH", "")
+        t0 = time.perf_counter()
+        try:
+            proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True,
+                                  timeout=timeout)
+            rc, err = proc.returncode, proc.stderr
+        except subprocess.TimeoutExpired as e:
+            rc, err = "timeout", (e.stderr or b"").decode(errors="replace") if isinstance(e.stderr, bytes) else (e.stderr or "")
+        wall = time.perf_counter() - t0
+        if rc == 0 and os.path.isfile(out_path):
+            with open(out_path) as f:
+                res = json.load(f)
+            res["meta"]["process_wall_s"] = round(wall, 3)
+            return res
+        tail = " | ".join(err.strip().splitlines()[-3:]) if err else ""
+        why = (f"worker timed out after {timeout:.0f} s" if rc == "timeout"
+               else f"worker exited with code {rc}") + (f": {tail}" if tail else "")
+        log(f"  ! {why}")
+        rows = [unavailable(s, f"{s} section", why, status=ERROR, regime=job["regime"])
+                for s in job["sections"]]
+        return {"rows": rows, "meta": {"job": job, "error": why, "process_wall_s": round(wall, 3)}}
+
+
+def run_all(level: str, params: dict, log=print) -> dict:
+    jobs = build_jobs(level, params)
+    t0 = time.perf_counter()
+    per_run, metas = {}, []
+    for n, job in enumerate(jobs, 1):
+        log(f"[{n}/{len(jobs)}] run {job['run'] + 1}/{params['runs']} regime {job['regime']}: "
+            f"{', '.join(job['sections'])}")
+        res = spawn(job, params["timeout"], log)
+        log(f"  done in {res['meta'].get('process_wall_s', 0):.1f} s")
+        per_run.setdefault(job["run"], []).extend(res["rows"])
+        metas.append(res["meta"])
+    rows = common.merge_runs([per_run[k] for k in sorted(per_run)])
+    regimes = {}
+    for m in metas:
+        if "regime" in m:
+            regimes.setdefault(m["regime"]["name"], m["regime"])
+    return {"schema": common.SCHEMA, "level": level, "params": params,
+            "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            "wall_s": round(time.perf_counter() - t0, 1), "machine": common.machine_info(),
+            "regimes": regimes, "rows": rows, "process_meta": metas}
+
+
+def parse_args(argv):
+    p = argparse.ArgumentParser(prog="python -m bench", description=__doc__.split("\n\n")[0])
+    lv = p.add_mutually_exclusive_group()
+    lv.add_argument("--quick", action="store_true", help="short run (under 3 minutes)")
+    lv.add_argument("--smoke", action="store_true", help="tiny synthetic shape (the test form)")
+    p.add_argument("--out", help="output folder (default: docs/ for a full run, "
+                                 "a temporary folder for --quick/--smoke)")
+    p.add_argument("--runs", type=int, help="process runs for headline rows")
+    p.add_argument("--regimes", help="comma list of 21m,218m,tiny")
+    p.add_argument("--sections", help="comma list of b1,b2,b3,peers")
+    p.add_argument("--threads", help="draft thread counts, comma list (1..6)")
+    p.add_argument("--K", type=int, help="speculation depth for B3 (1..16)")
+    p.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
+    p.add_argument("--from-json", help="only regenerate the report from an existing results JSON")
+    p.add_argument("--worker", help=argparse.SUPPRESS)
+    p.add_argument("--worker-out", help=argparse.SUPPRESS)
+    return p.parse_args(argv)
+
+
+def level_params(args) -> tuple:
+    level = "smoke" if args.smoke else "quick" if args.quick else "full"
+    params = json.loads(json.dumps(LEVELS[level]))
+    if args.runs is not None:
+        if not 1 <= args.runs <= 20:
+            raise ValueError(f"--runs {args.runs}: must be in 1..20")
+        params["runs"] = args.runs
+    if args.regimes:
+        regs = [r.strip() for r in args.regimes.split(",") if r.strip()]
+        for r in regs:
+            regime_config(r)
+        params["regimes"] = regs
+    if args.sections:
+        secs = [s.strip() for s in args.sections.split(",") if s.strip()]
+        bad = [s for s in secs if s not in ("b1", "b2", "b3", "peers")]
+        if bad:
+            raise ValueError(f"--sections: unknown {bad[0]!r} (known: b1, b2, b3, peers)")
+        params["sections"] = secs
+    if args.threads:
+        try:
+            th = [int(t) for t in args.threads.split(",") if t.strip()]
+        except ValueError:
+            raise ValueError(f"--threads {args.threads!r}: expected a comma list of integers") from None
+        if not th or any(not 1 <= t <= 6 for t in th):
+            raise ValueError(f"--threads {args.threads!r}: each must be in 1..6")
+        params["threads"] = th
+    if args.K is not None:
+        if not 1 <= args.K <= 16:
+            raise ValueError(f"--K {args.K}: must be in 1..16")
+        params["K"] = args.K
+    return level, params
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    args = parse_args(argv)
+    if args.worker:
+        with open(args.worker) as f:
+            job = json.load(f)
+        res = run_worker(job)
+        common.write_json_atomic(args.worker_out, res)
+        return 0
+    try:
+        from . import report
+        if args.from_json:
+            with open(args.from_json) as f:
+                results = json.load(f)
+            out = args.out or os.path.dirname(os.path.abspath(args.from_json))
+        else:
+            level, params = level_params(args)
+            out = args.out or (os.path.join(REPO, "docs") if level == "full"
+                               else os.path.join(tempfile.gettempdir(), f"spel-bench-{level}"))
+            log = (lambda s: print(s, file=sys.stderr, flush=True))
+            log(f"spel-mlx bench ({level}): regimes {', '.join(params['regimes'])}, "
+                f"{params['runs']} process runs; output in {out}")
+            results = run_all(level, params, log)
+            common.write_json_atomic(os.path.join(out, "benchmarks.json"), results)
+        paths = report.write_report(results, out, plots=not args.no_plots)
+        for p in paths:
+            print(p)
+        errors = [r for r in results["rows"] if r["status"] == ERROR]
+        if errors:
+            print(f"{len(errors)} row(s) failed; see the report's notes", file=sys.stderr)
+        return 0
+    except (ValueError, OSError) as e:
+        print(f"bench: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("bench: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
