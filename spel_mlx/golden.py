@@ -221,16 +221,34 @@ def compute_draft(cfg: ModelConfig, weights: dict, tokens, prefer: str = "auto")
     return out
 
 
-def compute_target(cfg: ModelConfig, weights: dict, tokens) -> np.ndarray:
-    out = target_logits_mlx(cfg, weights, tokens)
-    _last_backends["target"] = "mlx"
+def target_logits_numpy(cfg: ModelConfig, weights: dict, tokens) -> np.ndarray:
+    toks = _check_tokens(cfg, tokens)
+    stack = NumpyStack(cfg, weights, "target", quantized=False)
+    return np.stack([stack.step(t) for t in toks])
+
+
+def compute_target(cfg: ModelConfig, weights: dict, tokens, prefer: str = "mlx") -> np.ndarray:
+    """FP32 target logits; prefer 'mlx' (the model) or 'numpy' (NumpyStack)."""
+    if prefer == "mlx":
+        out = target_logits_mlx(cfg, weights, tokens)
+        _last_backends["target"] = "mlx"
+        return out
+    if prefer != "numpy":
+        raise ValueError(f"target backend {prefer!r}: expected 'mlx' or 'numpy'")
+    out = target_logits_numpy(cfg, weights, tokens)
+    _last_backends["target"] = "numpy"
     return out
 
 
-def compute_golden(cfg: ModelConfig, weights: dict, tokens, draft: str = "auto") -> tuple:
+def compute_golden(cfg: ModelConfig, weights: dict, tokens, draft: str = "auto", target: str = "mlx",
+                   between=None) -> tuple:
     """(target_logits [n, V], draft_logits [n, V]) float32 for ``tokens`` fed one per
-    position from a reset state."""
+    position from a reset state.  ``between()`` runs after the target pass (synth uses
+    it to drop mapped pages before the draft pass)."""
     missing = [s.name for s in tensor_specs(cfg) if s.name not in weights]
     if missing:
         raise ValueError(f"weights lack {missing[:3]}")
-    return compute_target(cfg, weights, tokens), compute_draft(cfg, weights, tokens, prefer=draft)
+    t = compute_target(cfg, weights, tokens, prefer=target)
+    if between is not None:
+        between()
+    return t, compute_draft(cfg, weights, tokens, prefer=draft)

@@ -47,7 +47,7 @@ def synth_tensor(spec: TensorSpec, seed: int, index: int) -> np.ndarray:
 
 
 def write_synth(out, cfg: ModelConfig, seed: int, n_golden: int = 16, draft: str = "auto",
-                progress: bool = True, golden: bool = True) -> dict:
+                progress: bool = True, golden: bool = True, target: str = "mlx") -> dict:
     """Generate, write and golden-stamp a random model; returns a summary dict."""
     from .golden import compute_golden, golden_backends, golden_tokens
 
@@ -63,9 +63,12 @@ def write_synth(out, cfg: ModelConfig, seed: int, n_golden: int = 16, draft: str
         tokens = golden_tokens(cfg, seed, n_golden)
         if progress:
             sys.stderr.write(f"synth: computing golden logits for {n_golden} tokens\n")
-        target, draft_l = compute_golden(cfg, written.tensors, tokens, draft=draft)
+        # the target pass copies every tensor out of the map; dropping the mapped
+        # pages afterwards keeps the 218m run at about one model in RAM
+        target_l, draft_l = compute_golden(cfg, written.tensors, tokens, draft=draft, target=target,
+                                           between=lambda: written.release(0, written.file_size))
         del written
-        w.write_golden(Golden(tokens, target, draft_l))
+        w.write_golden(Golden(tokens, target_l, draft_l))
     return {"golden": golden_backends(), "tokens": tokens}
 
 
@@ -78,6 +81,8 @@ def main(argv=None) -> int:
     ap.add_argument("--golden-n", type=int, default=16, help="number of golden tokens (SPEC: 16)")
     ap.add_argument("--draft", choices=("auto", "c", "numpy"), default="auto",
                     help="quantized draft for the golden logits: C engine, numpy fake-quant, or C if it loads")
+    ap.add_argument("--target", choices=("mlx", "numpy"), default="mlx",
+                    help="FP32 target for the golden logits: the MLX model (default) or the numpy forward")
     ap.add_argument("--quiet", action="store_true")
     a = ap.parse_args(argv)
     try:
@@ -86,7 +91,7 @@ def main(argv=None) -> int:
             raise ConfigError(f"--golden-n={a.golden_n}: must be in 1..max_seq={cfg.max_seq}")
         if a.seed < 0:
             raise ConfigError(f"--seed={a.seed}: must be >= 0")
-        info = write_synth(a.out, cfg, a.seed, a.golden_n, a.draft, progress=not a.quiet)
+        info = write_synth(a.out, cfg, a.seed, a.golden_n, a.draft, progress=not a.quiet, target=a.target)
     except (ConfigError, CheckpointError, ValueError) as e:
         print(f"synth: error: {e}", file=sys.stderr)
         return 2
@@ -96,6 +101,12 @@ def main(argv=None) -> int:
     except KeyboardInterrupt:
         print("synth: interrupted (no output written)", file=sys.stderr)
         return 130
+    except Exception as e:  # one line, no traceback (SPEL_DEBUG=1 re-raises)
+        if os.environ.get("SPEL_DEBUG") == "1":
+            raise
+        msg = str(e).splitlines()[0] if str(e) else ""
+        print(f"synth: internal error (no output written): {type(e).__name__}: {msg}", file=sys.stderr)
+        return 3
     if not a.quiet:
         b = info.get("golden") or {}
         print(f"wrote {a.out}: {os.path.getsize(a.out)} bytes, target {cfg.target_params():,} params, "

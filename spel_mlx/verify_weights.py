@@ -49,7 +49,7 @@ def tolerance(environ=None) -> float:
     return tol
 
 
-def verify(path, config: str | None = None, draft: str = "auto", out=sys.stdout) -> bool:
+def verify(path, config: str | None = None, draft: str = "auto", out=sys.stdout, target_backend: str = "mlx") -> bool:
     from .checkpoint import load_checkpoint
     from .golden import compute_draft, compute_target, golden_backends
 
@@ -74,9 +74,9 @@ def verify(path, config: str | None = None, draft: str = "auto", out=sys.stdout)
     n = g.n
     tokens = np.asarray(g.tokens)
     p(f"golden: n={n} tokens")
-    target = compute_target(cfg, ck.weights, tokens)
+    target = compute_target(cfg, ck.weights, tokens, prefer=target_backend)
     t_abs, t_agree = compare(g.target_logits, target)
-    p(f"target: max_abs={t_abs:.3e}  argmax {t_agree}/{n}")
+    p(f"target ({golden_backends()['target']}): max_abs={t_abs:.3e}  argmax {t_agree}/{n}")
     draft_l = compute_draft(cfg, ck.weights, tokens, prefer=draft)
     d_abs, d_agree = compare(g.draft_logits, draft_l)
     p(f"draft (quantized, {golden_backends()['draft']}): max_abs={d_abs:.3e}  argmax {d_agree}/{n}")
@@ -91,10 +91,13 @@ def main(argv=None) -> int:
     ap.add_argument("file", nargs="?", default=None, help="SPELW001 file or safetensors folder "
                     "(default: $SPEL_WEIGHTS, then the shipped default)")
     ap.add_argument("--config", default=None, help="k=v,... (must agree with the checkpoint header)")
-    ap.add_argument("--draft", choices=("auto", "c", "numpy"), default="auto")
+    ap.add_argument("--draft", choices=("auto", "c", "numpy"), default="auto",
+                    help="quantized draft: the C engine, the numpy fake-quant reference, or C if it loads")
+    ap.add_argument("--target", choices=("mlx", "numpy"), default="mlx",
+                    help="FP32 target: the MLX model (default) or the numpy forward")
     a = ap.parse_args(argv)
     try:
-        ok = verify(a.file, a.config, a.draft)
+        ok = verify(a.file, a.config, a.draft, target_backend=a.target)
     except (CheckpointError, ConfigError) as e:
         print(f"verify_weights: error: {e}", file=sys.stderr)
         return 2
