@@ -538,7 +538,7 @@ class NoteBank:
     def span_state(self, note: Note) -> dict:
         """Native-replay payload: the span's own recurrent state, i.e. the committed
         GDN S of every layer after running the span from an empty state."""
-        fresh = self.model.new_state("target", ring=2)
+        fresh = self.model.new_state("target")
         feed(self.model, fresh, self.span_tokens(note), strict=self.strict)
         snap = fresh.snapshot()
         return {i: snap.gdn[i][0] for i in fresh.gdn_layers}

@@ -180,3 +180,197 @@ def test_config_validation():
         nb.NoteBankConfig(ranker="max").validate()
     with pytest.raises(nb.NoteBankError, match="query_source"):
         nb.NoteBankConfig(query_source="v").validate()
+
+
+# ============================================================================= model-backed
+HAVE_MODEL = importlib.util.find_spec("spel_mlx.model") is not None
+needs_model = pytest.mark.skipif(not HAVE_MODEL, reason="spel_mlx.model not available")
+
+
+@pytest.fixture(scope="module")
+def toy():
+    from spel_mlx.tokenizer import ByteTokenizer
+    model = nb.toy_model(0, tie_qk=True)
+    tok = ByteTokenizer()
+    tokens, needles = nb.needle_document(tok, 384, 3, 128, seed=0)
+    bank = nb.NoteBank(model)
+    state = model.new_state("target")
+    bank.write(state, tokens)
+    return model, tok, tokens, needles, bank, state
+
+
+@needs_model
+def test_needle_document_ranges_are_exact(toy):
+    _, tok, tokens, needles, _, _ = toy
+    assert len(tokens) == 384 and len(needles) == 3
+    for i, n in enumerate(needles):
+        assert tok.decode(tokens[n.start:n.end]) == f"KEY_{i + 1}={n.value};"
+        assert n.start // 128 == i                      # one needle per chunk
+        assert tok.decode(n.query) == f"?KEY_{i + 1}=" and n.value_token == ord(n.value[0])
+    filler = set(tok.decode(tokens)) - set("".join(tok.decode(tokens[n.start:n.end]) for n in needles))
+    assert filler <= set("aenost ")                     # needles use characters filler never does
+
+
+@needs_model
+def test_planted_toy_containment_and_recall(toy):
+    model, _, tokens, needles, bank, state = toy
+    assert state.pos == 384 and len(bank.notes) == 6
+    assert [n.chunk for n in bank.notes] == [0, 0, 1, 1, 2, 2]
+    assert nb.containment(bank.notes, [(n.start, n.end) for n in needles]) == 3
+    for ranker in ("summed", "votes"):
+        hits = 0
+        for n in needles:
+            r = bank.retrieve(state, n.query, ranker)
+            assert len(r.top) == 2
+            hits += nb.hit_at_r(r.top, n.start, n.end)
+        assert hits == 3, ranker
+    assert state.pos == 384 and state.pending == 0       # retrieval left the state as it was
+
+
+@needs_model
+def test_model_writer_matches_offline_writer_across_chunk_boundaries(toy):
+    model, _, tokens, _, _, _ = toy
+    cfg = nb.NoteBankConfig(chunk=12, span=4)            # chunk boundaries inside ring pieces
+    bank = nb.NoteBank(model, cfg)
+    st = model.new_state("target")
+    bank.write(st, tokens[:64])
+    _, k, _ = nb.run_captured(model, model.new_state("target"), tokens[:64])
+    assert k.shape == (64, nb.gdn_channel_count(model.cfg), model.cfg.head_dim)
+    offline = nb.NoteWriter(cfg, k.shape[1], k.shape[2]).write(k)
+    assert [(n.start, n.end, n.chunk) for n in bank.notes] == [(n.start, n.end, n.chunk) for n in offline]
+    assert all(np.array_equal(a.coords, b.coords) for a, b in zip(bank.notes, offline))
+    assert len(bank.notes) == 2 * 5 + 1                  # 5 full chunks + a 4-token tail
+
+
+@needs_model
+def test_short_and_empty_contexts_with_model(toy):
+    model = toy[0]
+    bank = nb.NoteBank(model)
+    st = model.new_state("target")
+    rep = bank.write(st, [])
+    assert rep.notes == 0 and rep.chunks == 0 and st.pos == 0
+    r = bank.retrieve(st, [ord("?")], "summed")
+    assert r.top == [] and st.pos == 0
+    bank.write(st, [ord(c) for c in "abc"])             # shorter than one chunk and one span
+    assert [(n.start, n.end) for n in bank.notes] == [(0, 3)]
+    r = bank.retrieve(st, [ord(c) for c in "?ab"], "votes")
+    assert [(n.start, n.end) for n in r.top] == [(0, 3)] and st.pos == 3
+    with pytest.raises(nb.NoteBankError, match="position"):
+        bank.write(model.new_state("target"), [1, 2])   # a state the bank was not written from
+
+
+def _decode_from(model, state, first, n):
+    import mlx.core as mx
+    rows, t = [], first
+    for _ in range(n):
+        out = model.forward([t], state, strict=True)
+        state.commit(1)
+        mx.eval(out)
+        row = np.asarray(out[-1], np.float32)
+        rows.append(row)
+        t = int(np.argmax(row))
+    return np.stack(rows)
+
+
+@needs_model
+def test_restore_is_exact_after_retrieval_and_replay_branches(toy):
+    model, _, tokens, needles, _, _ = toy
+    ctx = tokens[:100]
+    # with the branches: write notes (capture), retrieve, token replay + read, native replay + read
+    bank = nb.NoteBank(model, nb.NoteBankConfig(chunk=32), strict=True)
+    st = model.new_state("target")
+    bank.write(st, ctx)
+    before = st.snapshot()
+    top = bank.retrieve(st, needles[0].query).top
+    with nb.Branch(st):
+        bank.replay_tokens(st, top)
+        nb.feed(model, st, needles[0].query, strict=True)
+        assert st.pos == 100 + sum(n.length for n in top) + len(needles[0].query)
+    with nb.Branch(st):
+        bank.replay_native(st, top)
+        nb.feed(model, st, needles[0].query, strict=True)
+    assert st.pos == 100 and st.pending == 0
+    for i in before.gdn:                                   # the committed slot's arrays come back
+        assert np.array_equal(np.asarray(st.committed_gdn(i)[0]), np.asarray(before.gdn[i][0]))
+    with_branch = _decode_from(model, st, ord("x"), 8)
+    # without any branch: plain prefill of the same context
+    plain = model.new_state("target")
+    nb.feed(model, plain, ctx, strict=True)
+    without = _decode_from(model, plain, ord("x"), 8)
+    assert with_branch.view(np.uint32).tobytes() == without.view(np.uint32).tobytes()
+
+
+@needs_model
+def test_native_replay_adds_span_state_only(toy):
+    import mlx.core as mx
+    model, _, tokens, _, bank, _ = toy
+    st = model.new_state("target")
+    nb.feed(model, st, tokens[:40])
+    snap = st.snapshot()
+    note = bank.notes[0]
+    payload = bank.span_state(note)
+    # the payload is the committed S after running the span from an empty state
+    fresh = model.new_state("target")
+    nb.feed(model, fresh, tokens[note.start:note.end])
+    for i in fresh.gdn_layers:
+        assert np.array_equal(np.asarray(payload[i]), np.asarray(fresh.committed_gdn(i)[0]))
+    with nb.Branch(st):
+        bank.replay_native(st, [note])
+        assert st.pos == 40
+        for i in st.gdn_layers:
+            S, tail = st.committed_gdn(i)
+            assert np.array_equal(np.asarray(S), np.asarray(snap.gdn[i][0] + payload[i]))
+            assert np.array_equal(np.asarray(tail), np.asarray(snap.gdn[i][1]))
+    for i in st.gdn_layers:
+        assert np.array_equal(np.asarray(st.committed_gdn(i)[0]), np.asarray(snap.gdn[i][0]))
+    mx.eval([])
+
+
+def test_token_rank():
+    assert nb.token_rank(np.array([0.1, 0.5, 0.3], np.float32), 1) == 1
+    assert nb.token_rank(np.array([0.1, 0.5, 0.3], np.float32), 0) == 3
+    assert nb.token_rank(np.array([0.5, 0.5, 0.3], np.float32), 1) == 1   # ties in its favour
+
+
+HAVE_SPEC = importlib.util.find_spec("spel_mlx.speculative") is not None
+
+
+@needs_model
+@pytest.mark.skipif(not HAVE_SPEC, reason="spel_mlx.speculative not available")
+def test_notebank_to_spec_keeps_greedy_fidelity(toy):
+    from spel_mlx import speculative as spec
+    model, _, tokens, needles, _, _ = toy
+    ctx = tokens[:128]
+    bank = nb.NoteBank(model, nb.NoteBankConfig(chunk=64))
+    st = model.new_state("target")
+    bank.write(st, ctx)
+    top = bank.retrieve(st, needles[0].query).top
+    prompt = ctx + [t for n in bank.replay_order(top) for t in bank.span_tokens(n)] + needles[0].query
+    ar = spec.SpeculativeDecoder(model, None, mode="ar", k=4, strict=True).generate(prompt, 12)
+    sd = spec.SpeculativeDecoder(model, spec.ModelDraft(model, "draft", ring=5, strict=True),
+                                 mode="spec", k=4, strict=True)
+    try:
+        out = sd.generate(prompt, 12)
+    finally:
+        sd.close()
+    assert out == ar and len(out) == 12
+    assert sd.stats.proposed > 0                          # it really speculated
+
+
+@needs_model
+def test_demo_cli_toy_and_errors(tmp_path, capsys):
+    out = tmp_path / "demo.json"
+    rc = nb.main(["demo", "--toy", "--tokens", "96", "--chunk", "32", "--span", "8", "--spec-tokens", "0",
+                  "--json", str(out)])
+    text = capsys.readouterr().out
+    assert rc == 0 and "writer needle containment" in text and "value rank, native replay" in text
+    import json
+    res = json.loads(out.read_text())
+    assert res["context_tokens"] == 96 and res["chunks"] == 3 and res["notes"] == 6
+    assert res["note_storage_bytes"] == 6 * (24 * 16 * 2 + 16)
+    assert res["dense_kv_bytes"] == 96 * 8 * 2 * 128 * 4
+    rc = nb.main(["demo", "--checkpoint", str(tmp_path / "missing.spelw")])
+    err = capsys.readouterr().err
+    assert rc == 2 and "error" in err and "Traceback" not in err
+    rc = nb.main(["demo", "--toy", "--chunk", "0"])
+    assert rc == 2 and "chunk" in capsys.readouterr().err
