@@ -1,0 +1,470 @@
+// metal_emu.h -- CPU emulation of the Metal Shading Language subset that the
+// spel-mlx kernels (metal/*.metal) use, so their bodies compile UNCHANGED as
+// C++17 and run on Linux in tests.  tests/metal_emu/build.py wraps each body in
+// the same signature MLX's mx.fast.metal_kernel generates and includes this file
+// first.  Tests only: nothing here is fast, and it is not a GPU model.
+//
+// What is emulated, and how faithfully
+// ------------------------------------
+// Launch     dispatchThreads semantics as MLX uses them: grid in threads, the
+//            threadgroup clamped to the grid (min per axis, like MLX), edge
+//            threadgroups partial (non-uniform).  Threadgroups run ONE AT A TIME
+//            in z,y,x order (a legal GPU schedule; kernels must not rely on any
+//            other).  Inside a threadgroup, when the kernel uses barriers or SIMD
+//            functions, every thread is a real std::thread (a pool reused across
+//            the threadgroups of one dispatch); otherwise threads run one after
+//            another on the caller's thread.  Max 1024 threads per threadgroup.
+// Ids        thread_position_in_grid, thread_position_in_threadgroup,
+//            threadgroup_position_in_grid, threads_per_threadgroup (actual size
+//            of a partial edge group), threadgroups_per_grid, threads_per_grid,
+//            grid_size, thread_index_in_threadgroup (x + y*ex + z*ex*ey with the
+//            group's actual extents), simdgroup_index_in_threadgroup
+//            (= index / 32), thread_index_in_simdgroup (= index % 32),
+//            simdgroups_per_threadgroup, threads_per_simdgroup and
+//            thread_execution_width (32).
+// Barriers   metal::threadgroup_barrier(flags) and simdgroup_barrier(flags) are
+//            real barriers over the active threads of the threadgroup / SIMD
+//            group, with full memory ordering whatever the flags say (stronger
+//            than Metal: a kernel missing a mem_device fence is not caught).
+//            A barrier that is not reached by every thread (divergent control
+//            flow, early return) is reported as an error after
+//            METAL_EMU_TIMEOUT_S seconds (default 30) instead of hanging; Metal
+//            calls that undefined behaviour.
+// SIMD       simd_sum, simd_max, simd_min, simd_shuffle, simd_broadcast,
+//            simd_shuffle_xor, simd_shuffle_down, simd_shuffle_up over 32-lane
+//            groups (a partial last group has fewer lanes).  Every lane of the
+//            group must call the same sequence of SIMD functions (uniform
+//            control flow); the emulation enforces it with a barrier per call.
+//            Reductions are a butterfly (offsets 16, 8, 4, 2, 1), so every lane
+//            gets the same, order-fixed result; Apple's hardware order is not
+//            documented, so sums may differ from the GPU in the last bits, but
+//            never between lanes or between calls.  Shuffles from an inactive
+//            lane return the caller's own value.
+// Memory     `device`, `constant`, `thread` are empty macros; `threadgroup` is
+//            `static`: a threadgroup array is one object shared by the threads
+//            of the running threadgroup (correct because groups run one at a
+//            time).  Unlike Metal, it is zero before the first group and keeps
+//            the previous group's values afterwards, so read-before-write bugs
+//            in threadgroup memory are NOT caught.  Use `threadgroup` only to
+//            declare arrays in a kernel body, never as a pointer qualifier.
+//            Outputs are pre-filled with NaN / 0xA5 bytes by build.py, so an
+//            output element a kernel forgets to write is caught.
+// Math       metal::{exp, exp2, log, sqrt, rsqrt, sin, cos, pow, fabs, abs, rint,
+//            round, floor, ceil, fma, min, max, fmin, fmax, clamp, select},
+//            metal::precise::{divide, sqrt, exp, rsqrt} and metal::fast::{exp,
+//            divide, rsqrt} map to the correctly rounded (or libm) C++
+//            functions.  The GPU's fast:: variants and its default math are
+//            less accurate (a few ulp); tests compare with tolerances, and exact
+//            equality is only asserted where a kernel is exact by construction
+//            (integer sums, max, correctly rounded precise::divide + rint).
+//            FMA contraction is off here (-ffp-contract=off); the Metal compiler
+//            may contract a*b+c, another last-bit difference.
+// Types      uint, uchar, ushort, uint3 (.x .y .z), int8_t ... uint64_t,
+//            as_type<T>(x) (bit cast), INFINITY.  No vector types (half, float4,
+//            ...): the kernels use scalar loads.
+// Not emulated: atomics, textures, simdgroup matrices, quadgroups, half /
+//            bfloat, function constants, indirect dispatch.  Using one fails to
+//            compile, which is the point: kernels stay inside what is tested.
+#pragma once
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <condition_variable>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <exception>
+#include <functional>
+#include <limits>
+#include <memory>
+#include <mutex>
+#include <stdexcept>
+#include <string>
+#include <thread>
+#include <type_traits>
+#include <vector>
+
+typedef unsigned int uint;
+typedef unsigned char uchar;
+typedef unsigned short ushort;
+
+struct uint3 {
+  uint x, y, z;
+};
+
+namespace metal_emu {
+
+class EmuError : public std::runtime_error {
+ public:
+  using std::runtime_error::runtime_error;
+};
+
+inline double barrier_timeout_s() {
+  const char* s = std::getenv("METAL_EMU_TIMEOUT_S");
+  double v = s ? std::atof(s) : 30.0;
+  return v > 0 ? v : 30.0;
+}
+
+// A reusable barrier that can be poisoned: once any thread of a dispatch fails,
+// every waiter (now or later) throws instead of blocking forever.
+class Barrier {
+ public:
+  void reset(unsigned count, const char* what) {
+    std::lock_guard<std::mutex> lk(m_);
+    count_ = count;
+    waiting_ = 0;
+    what_ = what;
+  }
+  void wait() {
+    std::unique_lock<std::mutex> lk(m_);
+    if (poisoned_) throw EmuError("aborted");
+    const uint64_t gen = gen_;
+    if (++waiting_ == count_) {
+      waiting_ = 0;
+      ++gen_;
+      cv_.notify_all();
+      return;
+    }
+    const auto limit = std::chrono::duration<double>(barrier_timeout_s());
+    if (!cv_.wait_for(lk, limit, [&] { return gen_ != gen || poisoned_; })) {
+      poisoned_ = true;
+      cv_.notify_all();
+      throw EmuError(std::string(what_) +
+                     " not reached by every thread (divergent control flow "
+                     "or early return around a barrier / SIMD function)");
+    }
+    if (gen_ == gen) throw EmuError("aborted");
+  }
+  void poison() {
+    std::lock_guard<std::mutex> lk(m_);
+    poisoned_ = true;
+    cv_.notify_all();
+  }
+
+ private:
+  std::mutex m_;
+  std::condition_variable cv_;
+  unsigned count_ = 1, waiting_ = 0;
+  uint64_t gen_ = 0;
+  bool poisoned_ = false;
+  const char* what_ = "barrier";
+};
+
+struct SimdGroup {
+  Barrier bar;
+  unsigned lanes = 32;
+  // Two banks: lanes write bank b, meet at the barrier, read bank b; the next
+  // call uses the other bank, so one barrier per call is enough (a lane can
+  // only overwrite bank b again after every lane has passed the next barrier).
+  alignas(16) unsigned char slot[2][32][16];
+};
+
+struct ThreadCtx {
+  bool threaded = false;
+  unsigned lane = 0;
+  unsigned bank = 0;
+  SimdGroup* sg = nullptr;
+  Barrier* tg_bar = nullptr;
+};
+
+inline thread_local ThreadCtx* tls_ctx = nullptr;
+
+inline ThreadCtx& ctx_for(const char* fn) {
+  ThreadCtx* c = tls_ctx;
+  if (c == nullptr || !c->threaded)
+    throw EmuError(std::string(fn) +
+                   " used in a kernel launched without threads (build.py "
+                   "decides from the source text; name the function literally)");
+  return *c;
+}
+
+struct ThreadIds {
+  uint3 thread_position_in_grid, thread_position_in_threadgroup,
+      threadgroup_position_in_grid, threads_per_threadgroup,
+      threadgroups_per_grid, threads_per_grid, grid_size,
+      dispatch_threads_per_threadgroup, grid_origin;
+  uint thread_index_in_threadgroup, thread_index_in_simdgroup,
+      simdgroup_index_in_threadgroup, simdgroups_per_threadgroup,
+      threads_per_simdgroup, thread_execution_width,
+      dispatch_simdgroups_per_threadgroup;
+};
+
+// Exchange one value per lane through the SIMD group's slots.
+template <typename T>
+inline void simd_gather(T x, T* vals, unsigned* lanes, unsigned* me) {
+  static_assert(sizeof(T) <= 16 && std::is_trivially_copyable<T>::value,
+                "SIMD value too large");
+  ThreadCtx& c = ctx_for("SIMD function");
+  SimdGroup& sg = *c.sg;
+  const unsigned b = c.bank;
+  c.bank ^= 1u;
+  std::memcpy(sg.slot[b][c.lane], &x, sizeof(T));
+  sg.bar.wait();
+  for (unsigned i = 0; i < sg.lanes; ++i) std::memcpy(&vals[i], sg.slot[b][i], sizeof(T));
+  *lanes = sg.lanes;
+  *me = c.lane;
+}
+
+template <typename T, typename Op>
+inline T simd_reduce(T x, T identity, Op op) {
+  T v[32];
+  unsigned lanes, me;
+  simd_gather(x, v, &lanes, &me);
+  for (unsigned i = lanes; i < 32; ++i) v[i] = identity;
+  for (unsigned off = 16; off >= 1; off >>= 1)
+    for (unsigned i = 0; i < off; ++i) v[i] = op(v[i], v[i + off]);
+  return v[0];
+}
+
+template <typename T>
+inline T simd_pick(T x, long src) {
+  T v[32];
+  unsigned lanes, me;
+  simd_gather(x, v, &lanes, &me);
+  return (src >= 0 && src < (long)lanes) ? v[src] : x;
+}
+
+inline unsigned my_lane() { return ctx_for("SIMD function").lane; }
+
+// Runs `body` for every thread of the grid. Returns 0, or -1 with a message.
+inline int dispatch(const uint32_t* launch, bool threaded,
+                    const std::function<void(const ThreadIds&)>& body, char* err,
+                    int errlen) {
+  static std::mutex one_launch_at_a_time;  // threadgroup memory is static
+  std::lock_guard<std::mutex> guard(one_launch_at_a_time);
+  auto fail = [&](const std::string& msg) {
+    if (err && errlen > 0) std::snprintf(err, (size_t)errlen, "%s", msg.c_str());
+    return -1;
+  };
+  const uint32_t g[3] = {launch[0], launch[1], launch[2]};
+  uint32_t t[3] = {launch[3], launch[4], launch[5]};
+  for (int a = 0; a < 3; ++a) {
+    if (g[a] == 0 || t[a] == 0) return fail("grid and threadgroup sizes must be >= 1");
+    t[a] = std::min(t[a], g[a]);  // as MLX does before dispatchThreads
+  }
+  const uint32_t nmax = t[0] * t[1] * t[2];
+  if (nmax > 1024) return fail("threadgroup larger than 1024 threads");
+  const uint32_t ng[3] = {(g[0] + t[0] - 1) / t[0], (g[1] + t[1] - 1) / t[1],
+                          (g[2] + t[2] - 1) / t[2]};
+
+  // Per-group state read by the workers; written by the launching thread only
+  // while every worker waits at `start`.
+  struct Group {
+    uint3 pos, ext;
+  } cur{};
+  auto ids_for = [&](uint32_t idx, ThreadIds& id) -> bool {
+    const uint32_t ex = cur.ext.x, ey = cur.ext.y, ez = cur.ext.z;
+    if (idx >= ex * ey * ez) return false;
+    const uint3 l = {idx % ex, (idx / ex) % ey, idx / (ex * ey)};
+    id.thread_position_in_threadgroup = l;
+    id.threadgroup_position_in_grid = cur.pos;
+    id.thread_position_in_grid = {cur.pos.x * t[0] + l.x, cur.pos.y * t[1] + l.y,
+                                  cur.pos.z * t[2] + l.z};
+    id.threads_per_threadgroup = cur.ext;
+    id.dispatch_threads_per_threadgroup = {t[0], t[1], t[2]};
+    id.threadgroups_per_grid = {ng[0], ng[1], ng[2]};
+    id.threads_per_grid = {g[0], g[1], g[2]};
+    id.grid_size = id.threads_per_grid;
+    id.grid_origin = {0, 0, 0};
+    id.thread_index_in_threadgroup = idx;
+    id.thread_index_in_simdgroup = idx % 32;
+    id.simdgroup_index_in_threadgroup = idx / 32;
+    id.simdgroups_per_threadgroup = (ex * ey * ez + 31) / 32;
+    id.dispatch_simdgroups_per_threadgroup = (nmax + 31) / 32;
+    id.threads_per_simdgroup = 32;
+    id.thread_execution_width = 32;
+    return true;
+  };
+  auto next_group = [&](uint32_t gx, uint32_t gy, uint32_t gz) {
+    cur.pos = {gx, gy, gz};
+    cur.ext = {std::min(t[0], g[0] - gx * t[0]), std::min(t[1], g[1] - gy * t[1]),
+               std::min(t[2], g[2] - gz * t[2])};
+  };
+
+  if (!threaded) {
+    ThreadCtx c;
+    tls_ctx = &c;
+    try {
+      ThreadIds id;
+      for (uint32_t gz = 0; gz < ng[2]; ++gz)
+        for (uint32_t gy = 0; gy < ng[1]; ++gy)
+          for (uint32_t gx = 0; gx < ng[0]; ++gx) {
+            next_group(gx, gy, gz);
+            for (uint32_t i = 0; ids_for(i, id); ++i) body(id);
+          }
+    } catch (const std::exception& e) {
+      tls_ctx = nullptr;
+      return fail(e.what());
+    }
+    tls_ctx = nullptr;
+    return 0;
+  }
+
+  Barrier start, end, tg_bar;
+  start.reset(nmax + 1, "launch start");
+  end.reset(nmax + 1, "launch end");
+  std::vector<std::unique_ptr<SimdGroup>> sgs;
+  for (uint32_t s = 0; s < (nmax + 31) / 32; ++s) sgs.emplace_back(new SimdGroup());
+  std::mutex err_m;
+  std::string first_error;
+  bool done = false;
+  auto poison_all = [&](const std::string& why) {
+    {
+      std::lock_guard<std::mutex> lk(err_m);
+      if (first_error.empty() && why != "aborted") first_error = why;
+    }
+    start.poison();
+    end.poison();
+    tg_bar.poison();
+    for (auto& s : sgs) s->bar.poison();
+  };
+
+  std::vector<std::thread> workers;
+  workers.reserve(nmax);
+  for (uint32_t w = 0; w < nmax; ++w) {
+    workers.emplace_back([&, w] {
+      ThreadCtx c;
+      c.threaded = true;
+      c.lane = w % 32;
+      c.sg = sgs[w / 32].get();
+      c.tg_bar = &tg_bar;
+      tls_ctx = &c;
+      try {
+        for (;;) {
+          start.wait();
+          if (done) break;
+          ThreadIds id;
+          c.bank = 0;
+          if (ids_for(w, id)) {
+            try {
+              body(id);
+            } catch (const std::exception& e) {
+              poison_all(std::string("thread_position_in_grid (") +
+                         std::to_string(id.thread_position_in_grid.x) + "," +
+                         std::to_string(id.thread_position_in_grid.y) + "," +
+                         std::to_string(id.thread_position_in_grid.z) + "): " + e.what());
+              break;
+            }
+          }
+          end.wait();
+        }
+      } catch (const std::exception& e) {
+        poison_all(e.what());
+      }
+      tls_ctx = nullptr;
+    });
+  }
+  try {
+    for (uint32_t gz = 0; gz < ng[2]; ++gz)
+      for (uint32_t gy = 0; gy < ng[1]; ++gy)
+        for (uint32_t gx = 0; gx < ng[0]; ++gx) {
+          next_group(gx, gy, gz);
+          const uint32_t n = cur.ext.x * cur.ext.y * cur.ext.z;
+          tg_bar.reset(n, "threadgroup_barrier");
+          for (uint32_t s = 0; s < sgs.size(); ++s) {
+            const uint32_t lo = s * 32;
+            sgs[s]->lanes = n > lo ? std::min<uint32_t>(32, n - lo) : 0;
+            sgs[s]->bar.reset(std::max<uint32_t>(1, sgs[s]->lanes), "SIMD-group operation");
+          }
+          start.wait();
+          end.wait();
+        }
+    done = true;
+    start.wait();
+  } catch (const std::exception& e) {
+    poison_all(e.what());
+  }
+  for (auto& th : workers) th.join();
+  if (!first_error.empty()) return fail(first_error);
+  return 0;
+}
+
+}  // namespace metal_emu
+
+namespace metal {
+
+enum class mem_flags { mem_none = 0, mem_device = 1, mem_threadgroup = 2, mem_texture = 4 };
+
+inline void threadgroup_barrier(mem_flags) {
+  metal_emu::ctx_for("threadgroup_barrier").tg_bar->wait();
+}
+inline void simdgroup_barrier(mem_flags) { metal_emu::ctx_for("simdgroup_barrier").sg->bar.wait(); }
+
+template <typename T> inline T simd_sum(T x) {
+  return metal_emu::simd_reduce(x, T(0), [](T a, T b) { return a + b; });
+}
+template <typename T> inline T simd_max(T x) {
+  return metal_emu::simd_reduce(x, std::numeric_limits<T>::lowest(),
+                                [](T a, T b) { return a > b ? a : b; });
+}
+template <typename T> inline T simd_min(T x) {
+  return metal_emu::simd_reduce(x, std::numeric_limits<T>::max(),
+                                [](T a, T b) { return a < b ? a : b; });
+}
+template <typename T> inline T simd_shuffle(T x, ushort lane) { return metal_emu::simd_pick(x, lane); }
+template <typename T> inline T simd_broadcast(T x, ushort lane) { return metal_emu::simd_pick(x, lane); }
+template <typename T> inline T simd_shuffle_xor(T x, ushort mask) {
+  return metal_emu::simd_pick(x, (long)(metal_emu::my_lane() ^ mask));
+}
+template <typename T> inline T simd_shuffle_down(T x, ushort delta) {
+  return metal_emu::simd_pick(x, (long)metal_emu::my_lane() + delta);
+}
+template <typename T> inline T simd_shuffle_up(T x, ushort delta) {
+  return metal_emu::simd_pick(x, (long)metal_emu::my_lane() - (long)delta);
+}
+
+using std::ceil;
+using std::cos;
+using std::exp;
+using std::exp2;
+using std::fabs;
+using std::floor;
+using std::fma;
+using std::fmax;
+using std::fmin;
+using std::log;
+using std::numeric_limits;
+using std::pow;
+using std::rint;
+using std::round;
+using std::sin;
+using std::sqrt;
+inline float abs(float x) { return std::fabs(x); }
+inline int abs(int x) { return x < 0 ? -x : x; }
+inline float rsqrt(float x) { return 1.0f / std::sqrt(x); }
+template <typename T> inline T min(T a, T b) { return b < a ? b : a; }
+template <typename T> inline T max(T a, T b) { return a < b ? b : a; }
+template <typename T> inline T clamp(T x, T lo, T hi) { return min(max(x, lo), hi); }
+template <typename T> inline T select(T a, T b, bool c) { return c ? b : a; }
+template <typename To, typename From> inline To as_type(From x) {
+  static_assert(sizeof(To) == sizeof(From), "as_type needs equal sizes");
+  To y;
+  std::memcpy(&y, &x, sizeof(To));
+  return y;
+}
+
+namespace precise {
+inline float divide(float a, float b) { return a / b; }
+inline float sqrt(float x) { return std::sqrt(x); }
+inline float rsqrt(float x) { return 1.0f / std::sqrt(x); }
+inline float exp(float x) { return std::exp(x); }
+}  // namespace precise
+namespace fast {
+inline float divide(float a, float b) { return a / b; }
+inline float rsqrt(float x) { return 1.0f / std::sqrt(x); }
+inline float exp(float x) { return std::exp(x); }
+}  // namespace fast
+
+}  // namespace metal
+
+using metal::as_type;
+
+// Address-space qualifiers last, so the standard headers above are unaffected.
+// (After this point `thread` is a keyword-like macro: the generated wrapper only
+// calls metal_emu::dispatch and never names std::thread.)
+#define device
+#define constant
+#define thread
+#define threadgroup static
