@@ -1,0 +1,174 @@
+"""The benchmark harness: a smoke run end to end (JSON + markdown structure, the cost
+model beside every speculative row, unavailable rows kept), and its pure parts."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+import spel_mlx  # noqa: F401  (BLAS before mlx.core)
+from bench import common, peers, report, run
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.fixture(scope="module")
+def smoke(tmp_path_factory):
+    out = tmp_path_factory.mktemp("bench")
+    proc = subprocess.run([sys.executable, "-m", "bench", "--smoke", "--runs", "2", "--out", str(out)],
+                          cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    with open(out / "benchmarks.json") as f:
+        results = json.load(f)
+    md = (out / "benchmarks.md").read_text()
+    return out, results, md, proc
+
+
+def test_smoke_json_structure(smoke):
+    _, res, _, _ = smoke
+    assert res["schema"] == common.SCHEMA
+    assert res["level"] == "smoke" and res["params"]["runs"] == 2
+    assert len(res["process_meta"]) == 2  # one worker process per run
+    for r in res["rows"]:
+        for k in common.KEY_FIELDS + ("status", "note", "metrics"):
+            assert k in r, (k, r)
+        assert r["status"] in (common.OK, common.NOT_AVAILABLE, common.SKIPPED, common.ERROR)
+        if r["status"] != common.OK:
+            assert r["note"], r  # a row without a figure always says why
+            continue
+        assert r["metrics"], r
+        for name, m in r["metrics"].items():
+            if m["median"] is None:
+                continue
+            assert m["min"] <= m["median"] <= m["max"], (r["name"], name, m)
+            assert len(m["runs"]) == r["process_runs"] or len(m["runs"]) <= r["process_runs"]
+    keys = [common.row_key(r) for r in res["rows"]]
+    assert len(keys) == len(set(keys)), "merged rows must be unique per key"
+
+
+def test_smoke_headline_rows_span_process_runs(smoke):
+    _, res, _, _ = smoke
+    ar = [r for r in res["rows"] if r["section"] == "b3" and r["name"] == "AR target"
+          and r["placement"] == "target=mlx-cpu"]
+    assert len(ar) == 1 and ar[0]["status"] == common.OK
+    assert ar[0]["process_runs"] == 2 and len(ar[0]["metrics"]["tok_s"]["runs"]) == 2
+    # B2: strict and fast at every K, each with v = verify time / AR time of its run
+    b2 = {(r["mode"], r["K"]): r for r in res["rows"] if r["section"] == "b2"
+          and r["placement"] == "target=mlx-cpu" and r["mode"] in ("strict", "fast")}
+    assert set(b2) == {(m, k) for m in ("strict", "fast") for k in res["params"]["b2_K"]}
+    for r in b2.values():
+        assert r["status"] == common.OK
+        for ms, ar_ms, v in zip(r["metrics"]["ms"]["runs"], r["metrics"]["ar_ms"]["runs"],
+                                r["metrics"]["v"]["runs"]):
+            assert v == pytest.approx(ms / ar_ms, rel=1e-9)
+    # B1 and peers run once; they are not headline rows
+    assert all(r.get("process_runs", 0) <= 1 for r in res["rows"] if r["section"] in ("b1", "peers"))
+
+
+def test_smoke_cost_model_beside_every_speculative_row(smoke):
+    _, res, _, _ = smoke
+    spec = [r for r in res["rows"] if r["section"] == "b3" and r["status"] == common.OK
+            and r["mode"] in ("spec", "forced", "oracle")]
+    assert spec, "at least the MLX-draft and oracle rows run everywhere"
+    for r in spec:
+        m = r["metrics"]
+        runs = zip(m["alpha"]["runs"], m["c"]["runs"], m["v"]["runs"], m["projected"]["runs"])
+        for alpha, c, v, proj in runs:
+            assert proj == pytest.approx(common.cost_model_speedup(alpha, r["K"], c, v), rel=1e-9)
+        assert 0.0 <= m["alpha"]["median"] <= 1.0
+    forced = [r for r in spec if r["mode"] == "forced" and r.get("forced_alpha") == 1.0]
+    assert forced and all(r["metrics"]["alpha"]["median"] == 1.0 for r in forced)
+
+
+def test_smoke_gpu_rows_do_not_vanish(smoke):
+    _, res, _, _ = smoke
+    gpu_rows = [r for r in res["rows"] if "mlx-gpu" in (r.get("placement") or "")]
+    assert any(r["section"] == "b2" for r in gpu_rows)
+    assert any(r["section"] == "b3" and "target=mlx-gpu" in r["placement"] for r in gpu_rows)
+    assert any(r["section"] == "b3" and "draft=mlx-gpu" in r["placement"] for r in gpu_rows)
+    if not common.gpu_available():
+        assert all(r["status"] == common.NOT_AVAILABLE for r in gpu_rows)
+
+
+def test_smoke_markdown_and_plots(smoke):
+    out, res, md, _ = smoke
+    for heading in ("# spel-mlx benchmarks", "## Headline", "## B1: kernels",
+                    "## B2: verification cost", "## B3: decode", "## Peers", "## Plots"):
+        assert heading in md
+    assert "| figure | tiny | original (Apple M5, C11) |" in md
+    assert "× AR (cost model)" in md and "not available" in md
+    try:
+        import matplotlib  # noqa: F401
+        for name in ("decode_tok_s.png", "c_v_by_placement.png", "speedup_vs_alpha.png"):
+            data = (out / "img" / name).read_bytes()
+            assert data[:8] == b"\x89PNG\r\n\x1a\n"
+            assert f"img/{name}" in md
+    except ImportError:
+        assert "Plots skipped: matplotlib is not installed" in md
+
+
+def test_report_regenerates_from_json(smoke, tmp_path):
+    out, res, _, _ = smoke
+    rc = run.main(["--from-json", str(out / "benchmarks.json"), "--out", str(tmp_path), "--no-plots"])
+    assert rc == 0
+    md = (tmp_path / "benchmarks.md").read_text()
+    assert "Plots skipped (--no-plots)." in md and "## Headline" in md
+
+
+def test_cost_model_reproduces_the_originals_projection():
+    # the original's 21m K=16 serial-draft figures: c = 0.12, v = 2.69..2.74 -> 3.51..3.56x at alpha 1
+    assert common.cost_model_speedup(1.0, 16, 0.12, 2.69) == pytest.approx(17 / (17 * 0.12 + 2.69))
+    assert 3.50 < common.cost_model_speedup(1.0, 16, 0.12, 2.69) < 3.60
+    assert common.cost_model_speedup(0.0, 4, 0.0, 1.0) == 1.0  # nothing accepted, free draft: AR
+
+
+def test_merge_runs_medians_ranges_and_failed_runs():
+    a = [common.make_row("b3", "x", regime="r", metrics={"tok_s": 10.0}),
+         common.make_row("b3", "y", regime="r", metrics={"tok_s": 1.0})]
+    b = [common.make_row("b3", "x", regime="r", metrics={"tok_s": 14.0}),
+         common.unavailable("b3", "y", "boom", status=common.ERROR, regime="r")]
+    c = [common.make_row("b3", "x", regime="r", metrics={"tok_s": 11.0})]
+    merged = {r["name"]: r for r in common.merge_runs([a, b, c])}
+    x = merged["x"]["metrics"]["tok_s"]
+    assert (x["median"], x["min"], x["max"], x["runs"]) == (11.0, 10.0, 14.0, [10.0, 14.0, 11.0])
+    assert merged["x"]["process_runs"] == 3
+    assert merged["y"]["process_runs"] == 1 and "1 of 2 runs failed: boom" in merged["y"]["note"]
+    assert common.fmt_range(x) == "11.00 (10.00–14.00)"
+
+
+def test_write_json_atomic_leaves_no_temp(tmp_path):
+    p = tmp_path / "sub" / "r.json"
+    common.write_json_atomic(str(p), {"a": (1, 2)})
+    assert json.loads(p.read_text()) == {"a": [1, 2]}
+    assert os.listdir(p.parent) == ["r.json"]
+
+
+def test_b1_rows_normalized_from_the_kernel_module_shapes():
+    rows = run.normalize_b1([{"name": "dotprod", "threads": 1, "gmac_s": 17.7, "weight_gb_s": 4.4}])
+    assert rows[0]["section"] == "b1" and rows[0]["primary"] == "gmac_s"
+    assert rows[0]["metrics"] == {"gmac_s": 17.7, "weight_gb_s": 4.4}
+    rows = run.normalize_b1({"rows": [{"kernel": "scalar", "ms_per_gemv": 2.5, "isa": "x86"}]})
+    assert rows[0]["name"] == "scalar" and '"isa": "x86"' in rows[0]["note"]
+    rows = run.normalize_b1({"fp32": {"gmac_s": 6.0}})
+    assert rows[0]["name"] == "fp32"
+
+
+def test_peers_skipped_with_reason_when_mlx_lm_missing(monkeypatch):
+    from spel_mlx.config import PRESETS
+    monkeypatch.setitem(sys.modules, "mlx_lm", None)  # import mlx_lm -> ImportError
+    rows = peers.run({"regime": "21m", "cfg": PRESETS["21m"], "prompt": [1, 2, 3], "gen_tokens": 4,
+                      "repeats": 1, "K": 4})
+    assert len(rows) == 5 and all(r["status"] == common.SKIPPED for r in rows)
+    assert all("mlx-lm not installed" in r["note"] for r in rows)
+
+
+@pytest.mark.parametrize("args,msg", [(["--threads", "9"], "each must be in 1..6"),
+                                      (["--K", "0"], "must be in 1..16"),
+                                      (["--regimes", "99m"], "unknown regime"),
+                                      (["--sections", "b7"], "unknown 'b7'")])
+def test_cli_bad_arguments_are_clear_errors(args, msg):
+    proc = subprocess.run([sys.executable, "-m", "bench", "--smoke", *args], cwd=REPO,
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2
+    assert msg in proc.stderr and "Traceback" not in proc.stderr
