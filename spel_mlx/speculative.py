@@ -203,15 +203,15 @@ class CDraftEngine(DraftEngine):
             toks = [int(t) for t in self.d.propose(int(pending), k)]
             self.forwards += k + 1
             return toks, None
-        # Sampling / penalty: the C API proposes greedily only, so grow the
-        # uncommitted batch one token at a time (the last forward covers all
-        # k+1 positions, which is what commit(n) keeps).
+        # Sampling / penalty: one forward per token, each continuing the
+        # uncommitted batch (start=j), so the draft state covers all k+1.
         ctx = list(history) + [pending]
-        seq = [int(pending)]
         tokens, qs = [], (None if params.greedy else [])
-        for j in range(k):
-            logits = self.d.forward(seq)[-1]
-            self.forwards += len(seq)
+        tok = int(pending)
+        for j in range(k + 1):
+            logits = self.d.forward([tok], start=j)[0]
+            if j == k:
+                break
             if params.greedy:
                 tok = smp.greedy_token(logits, ctx, params)
             else:
@@ -220,9 +220,7 @@ class CDraftEngine(DraftEngine):
                 qs.append(q)
             ctx.append(tok)
             tokens.append(tok)
-            seq.append(tok)
-        self.d.forward(seq)
-        self.forwards += len(seq)
+        self.forwards += k + 1
         return tokens, qs
 
     def commit(self, n: int):
@@ -471,6 +469,7 @@ class SpeculativeDecoder:
             t0 = time.perf_counter()
             mx.eval(self.target.verify([pending]))
             best = min(best, time.perf_counter() - t0)
+            self.target.state.discard()
         return best
 
     def generate(self, prompt, max_tokens: int, on_tokens=None, stop_tokens=(),
@@ -523,7 +522,9 @@ class SpeculativeDecoder:
                     st.stop_reason = "max_seq"
                     break
                 remaining = max_tokens - len(out)
-                k_eff = min(K, max_seq - 1 - pos, remaining - 1) if draft is not None else 0
+                k_eff = min(K, max_seq - 1 - pos) if draft is not None else 0
+                if mode != "forced":  # forced keeps K fixed so its ratio is exact
+                    k_eff = min(k_eff, remaining - 1)
                 drafting = k_eff > 0 and (gov is None or gov.drafting)
                 # 1. draft
                 proposal, qs = [], None
@@ -647,10 +648,12 @@ class SpeculativeDecoder:
 DRAFT_KINDS = ("c", "mlx", "ngram", "auto", "target")
 
 
-def make_draft(kind: str, model, weights=None, k: int = 4, threads: int = 1, strict: bool = False,
+def make_draft(kind: str, model, weights=None, k: int = 4, threads: int | None = None,
+               strict: bool = False,
                ngram_n=(2, 4), auto_fallback: str = "c") -> DraftEngine:
     """Build a draft engine by name.  `weights` (the weights dict) is needed by the
-    C draft; "auto" puts the n-gram drafter ahead of `auto_fallback`."""
+    C draft (threads None = SPEL_DRAFT_THREADS, else 1); "auto" puts the n-gram
+    drafter ahead of `auto_fallback`."""
     ring = k + 1
     if kind == "mlx":
         return ModelDraft(model, "draft", ring=ring, strict=strict)

@@ -120,7 +120,7 @@ def _cases():
     draft_logits = target_logits + rng.normal(size=V)  # a correlated but wrong draft
     history = [3, 3, 5]
     for params in (smp.SamplingParams(temperature=1.0),
-                   smp.SamplingParams(temperature=0.7, top_k=5, top_p=0.9, repetition_penalty=1.3)):
+                   smp.SamplingParams(temperature=1.3, top_k=6, top_p=0.95, repetition_penalty=1.3)):
         p = smp.probabilities(target_logits, history, params)
         q = smp.probabilities(draft_logits, history, params)
         yield params, p, q
