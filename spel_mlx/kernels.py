@@ -242,6 +242,7 @@ class _KernelOps:
     def __init__(self, executor):
         self._ex = executor
         self._fallback_ops = None
+        self._freq_cache = {}
 
     # array plumbing, specialised by the subclasses
     def _in(self, a, dtype=np.float32):
@@ -252,9 +253,6 @@ class _KernelOps:
 
     def _out(self, a):
         raise NotImplementedError
-
-    def _slice_rows(self, a, n):
-        return a[:n]
 
     def _fallback(self):
         if self._fallback_ops is None:
@@ -287,14 +285,14 @@ class _KernelOps:
 
     # -- attention ----------------------------------------------------------------------
     def attend(self, q, k_cache, v_cache, pos0, M):
+        """k_cache/v_cache: at least pos0+M rows (the model passes a window); pos0 an int or
+        an int32 scalar array (traced inside the model's mx.compile'd step)."""
         hd = q.shape[-1]
         if not supports("attend", hd):
             return self._unsupported("attend", hd, q, k_cache, v_cache, pos0, M)
-        n = int(pos0) + int(M)
-        (o,) = self._ex.run(plan_attend(self._in(q), self._in(self._slice_rows(k_cache, n)),
-                                        self._in(self._slice_rows(v_cache, n)),
-                                        self._scalar(int(pos0)), self._in(np.ones(hd // 2, np.float32)),
-                                        rope_q=False))
+        kc, vc = self._kv_rows(k_cache, v_cache, pos0, M)
+        (o,) = self._ex.run(plan_attend(self._in(q), kc, vc, self._pos(pos0),
+                                        self._unit_freq(hd), rope_q=False))
         return self._out(o)
 
     def attend_rope(self, q_raw, k_cache, v_cache, pos0, M, inv_freq):
@@ -302,11 +300,17 @@ class _KernelOps:
         hd = q_raw.shape[-1]
         if not supports("attend", hd):
             raise ValueError("attend_rope: head_dim %d unsupported (32, 64 or 128)" % hd)
-        n = int(pos0) + int(M)
-        (o,) = self._ex.run(plan_attend(self._in(q_raw), self._in(self._slice_rows(k_cache, n)),
-                                        self._in(self._slice_rows(v_cache, n)),
-                                        self._scalar(int(pos0)), self._in(inv_freq), rope_q=True))
+        kc, vc = self._kv_rows(k_cache, v_cache, pos0, M)
+        (o,) = self._ex.run(plan_attend(self._in(q_raw), kc, vc, self._pos(pos0),
+                                        self._in(inv_freq), rope_q=True))
         return self._out(o)
+
+    def _unit_freq(self, hd):
+        # attn_verify always takes inv_freq; unused when ROPE_Q = 0
+        f = self._freq_cache.get(hd)
+        if f is None:
+            f = self._freq_cache[hd] = self._in(np.ones(hd // 2, np.float32))
+        return f
 
     # -- ternary draft on the GPU --------------------------------------------------------------
     def quantize_activations(self, x):
@@ -338,8 +342,11 @@ class _KernelOps:
 
 
 class MetalOps(_KernelOps):
-    """Custom Metal kernels through mx.fast.metal_kernel (Apple GPUs only)."""
+    """Custom Metal kernels through mx.fast.metal_kernel (Apple GPUs only).
+
+    Works inside the model's mx.compile'd passes (kernels are graph primitives)."""
     path = "metal"
+    name = "metal-kernels"
 
     def __init__(self):
         super().__init__(_MetalExecutor())
@@ -351,6 +358,15 @@ class MetalOps(_KernelOps):
 
     def _scalar(self, v):
         return mx.array(v, dtype=mx.int32)
+
+    def _pos(self, pos0):
+        if isinstance(pos0, mx.array):
+            return pos0.reshape(()).astype(mx.int32)
+        return mx.array(int(pos0), dtype=mx.int32)
+
+    def _kv_rows(self, k_cache, v_cache, pos0, M):
+        # the kernel reads rows < pos0+M only; a leading-rows slice is a view (no copy)
+        return self._in(k_cache), self._in(v_cache)
 
     def _out(self, a):
         return a
@@ -365,8 +381,12 @@ class MetalOps(_KernelOps):
 class EmulatedOps(_KernelOps):
     """The kernel bodies compiled as C++ and run on the CPU (tests / diagnostics only).
 
-    Accepts mx or numpy arrays; returns mx arrays (``numpy_out=True``: numpy)."""
+    Accepts mx or numpy arrays; returns mx arrays (``numpy_out=True``: numpy).  It reads
+    array values on the host, so it cannot run inside mx.compile: a model using it must
+    run uncompiled (``model.compile = False``); ``requires_eager`` says so."""
     path = "emulated"
+    name = "metal-emulated"
+    requires_eager = True
 
     def __init__(self, numpy_out: bool = False):
         super().__init__(_EmuExecutor())
@@ -381,6 +401,13 @@ class EmulatedOps(_KernelOps):
 
     def _scalar(self, v):
         return np.array(v, dtype=np.int32)
+
+    def _pos(self, pos0):
+        return np.array(int(np.asarray(pos0)), dtype=np.int32)
+
+    def _kv_rows(self, k_cache, v_cache, pos0, M):
+        n = int(np.asarray(pos0)) + int(M)  # copy only the rows the kernel reads
+        return self._in(k_cache[:n]), self._in(v_cache[:n])
 
     def _out(self, a):
         return a if self._numpy_out else mx.array(a)

@@ -1,0 +1,424 @@
+"""The Metal kernels (metal/*.metal), compiled unchanged as C++ against
+tests/metal_emu/metal_emu.h and run over their real grids, against float64 numpy
+references, the model's MLX-ops path, and the SPEC 3 quantization reference.
+Every kernel library is built once per session (one compiler run, cached on disk)."""
+import os
+import shutil
+
+import numpy as np
+import pytest
+
+import spel_mlx  # noqa: F401  (BLAS before mlx)
+import mlx.core as mx
+from spel_mlx import kernels, quant
+
+from conftest import require_or_skip
+
+HAVE_CXX = bool(os.environ.get("CXX") or shutil.which("g++") or shutil.which("clang++"))
+
+# (M, H, hd): edge shapes M = 1 and M = 17, several head counts; H >= 8 moves the
+# per-head gates from the constant to the device address space in the signature.
+DELTA_CASES = [(1, 2, 32), (5, 3, 64), (17, 1, 32), (5, 8, 64)]
+# (M, H, hd, pos0); pos0 = 1100 crosses attn_verify's 1024-key chunk
+ATTN_CASES = [(1, 2, 32, 0), (5, 3, 64, 20), (17, 2, 32, 3), (3, 1, 64, 1100)]
+CONV_CASES = [(1, 64), (5, 100), (17, 48)]
+# (N vectors, rows, cols): odd rows (RPS tail), N = 5 (NV = 4 tail), cols padded to 64
+TERN_CASES = [(1, 37, 100), (5, 64, 192), (1, 8, 64)]
+
+
+def _rng(seed):
+    return np.random.default_rng(seed)
+
+
+def _unit(a):
+    a = a.astype(np.float64)
+    return (a / np.sqrt((a * a).sum(-1, keepdims=True) + 1e-6)).astype(np.float32)
+
+
+def delta_inputs(M, H, hd, seed=0):
+    r = _rng(seed)
+    q, k = (_unit(r.standard_normal((M, H, hd))) for _ in range(2))
+    v = r.standard_normal((M, H, hd)).astype(np.float32)
+    a = r.uniform(0.7, 1.0, H).astype(np.float32)
+    b = r.uniform(0.05, 1.0, H).astype(np.float32)
+    S0 = (0.2 * r.standard_normal((H, hd, hd))).astype(np.float32)
+    return q, k, v, a, b, S0
+
+
+def attn_inputs(M, H, hd, pos0, seed=0):
+    r = _rng(seed)
+    n = pos0 + M
+    q = _unit(r.standard_normal((M, H, hd)))
+    kc = np.full((n + 3, H, hd), np.nan, np.float32)   # rows past pos0+M are never read
+    vc = np.full((n + 3, H, hd), np.nan, np.float32)
+    kc[:n] = _unit(r.standard_normal((n, H, hd)))
+    vc[:n] = r.standard_normal((n, H, hd))
+    return q, kc, vc
+
+
+def tern_inputs(N, R, C, seed=0):
+    r = _rng(seed)
+    t = r.integers(-1, 2, size=(R, C)).astype(np.int8)
+    s = r.uniform(0.01, 0.1, R).astype(np.float32)
+    x = r.standard_normal((N, C)).astype(np.float32)
+    return quant.pack_ternary(t), t, s, x
+
+
+# ---- float64 references -----------------------------------------------------------------
+def ref_conv(x, tail, conv):
+    xs = np.concatenate([tail, x]).astype(np.float64)
+    z = conv[0] * xs[:-2] + conv[1] * xs[1:-1] + conv[2] * xs[2:]
+    return z / (1 + np.exp(-z)), np.stack([xs[1:-1], xs[2:]], axis=1)
+
+
+def ref_delta(q, k, v, a, b, S0):
+    S = S0.astype(np.float64)
+    hd = q.shape[-1]
+    outs, states = [], []
+    for j in range(q.shape[0]):
+        pred = np.einsum("hij,hj->hi", S, k[j])
+        S = a[:, None, None] * S + np.einsum("hi,hj->hij", b[:, None] * (v[j] - pred), k[j])
+        outs.append(np.einsum("hij,hj->hi", S, q[j]) / np.sqrt(hd))
+        states.append(S)
+    return np.array(outs), np.array(states)
+
+
+def ref_attend(q, kc, vc, pos0):
+    M, H, hd = q.shape
+    out = []
+    for j in range(M):
+        n = pos0 + j + 1
+        lg = np.sqrt(hd) * np.einsum("hd,thd->ht", q[j].astype(np.float64), kc[:n])
+        p = np.exp(lg - lg.max(-1, keepdims=True))
+        p /= p.sum(-1, keepdims=True)
+        out.append(np.einsum("ht,thd->hd", p, vc[:n]))
+    return np.array(out)
+
+
+def ref_rope(x, pos0, inv_freq):
+    """x [M,H,hd] unit -> rotated on pairs (2i, 2i+1) by (pos0+j)*inv_freq[i] (float32 angle)."""
+    y = np.empty_like(x, dtype=np.float64)
+    for j in range(x.shape[0]):
+        ang = (np.float32(pos0 + j) * inv_freq).astype(np.float64)
+        c, s = np.cos(ang), np.sin(ang)
+        x0, x1 = x[j, :, 0::2].astype(np.float64), x[j, :, 1::2].astype(np.float64)
+        y[j, :, 0::2] = x0 * c - x1 * s
+        y[j, :, 1::2] = x0 * s + x1 * c
+    return y.astype(np.float32)
+
+
+def _sigmoid(x):
+    return (1 / (1 + np.exp(-x.astype(np.float64)))).astype(np.float32)
+
+
+# ---- session fixture: one compiler run for every instantiation used below --------------------
+@pytest.fixture(scope="module")
+def ops():
+    require_or_skip(HAVE_CXX, "g++/clang++ not found: the Metal emulation compiles kernels as C++")
+    o = kernels.EmulatedOps(numpy_out=True)
+    with o.collecting():
+        for M, d in CONV_CASES:
+            o.conv_step(np.zeros((M, d), np.float32), np.zeros((2, d), np.float32), np.zeros((3, d), np.float32))
+        for case in DELTA_CASES:
+            args = delta_inputs(*case)
+            o.delta_rule(*args)
+            o.delta_rule_fused(*args)
+        for case in ATTN_CASES:
+            q, kc, vc = attn_inputs(*case)
+            o.attend(q, kc, vc, case[3], case[0])
+            o.attend_rope(q, kc, vc, case[3], case[0], kernels.rope_inv_freq(case[2], 1e4))
+        for N, R, C in TERN_CASES:
+            packed, _, s, x = tern_inputs(N, R, C)
+            o.ternary_matmul(x, packed, s)
+    return o
+
+
+# ---- the generated signature is MLX's ------------------------------------------------------
+def test_generated_signature_has_mlx_form():
+    build = kernels._emu_module()
+    body = kernels.kernel_body("gdn_delta")
+    k = build.EmuKernel("gdn_delta", kernels.KERNELS["gdn_delta"].inputs,
+                        kernels.KERNELS["gdn_delta"].outputs, body, kernels.kernel_header())
+    q, kk, v, a, b, S0 = delta_inputs(2, 3, 32)
+    inst = build.instance_for(k, [q, kk, v, a, b, S0], [np.float32, np.float32], [("HD", 32), ("FUSED", 0)])
+    src = k.function_source("custom_kernel_x", inst.in_specs, inst.out_dtypes, inst.template)
+    assert src.startswith("template <int HD, int FUSED>\n[[kernel]] void custom_kernel_x(\n")
+    for line in ("  const device float* q [[buffer(0)]],",
+                 "  const constant int* q_shape [[buffer(1)]],",
+                 "  const device float* k [[buffer(2)]],",
+                 "  const constant float* decay [[buffer(4)]],",   # H = 3 < 8 elements: constant
+                 "  const device float* s0 [[buffer(6)]],",
+                 "  device float* o [[buffer(7)]],",
+                 "  device float* s_all [[buffer(8)]],",
+                 "  uint3 thread_position_in_grid [[thread_position_in_grid]]) {"):
+        assert line + "\n" in src, line
+    assert body in src            # the body, unchanged
+    assert k.threaded             # simd_sum: one std::thread per lane
+    conv = build.EmuKernel("gdn_conv", ("x", "tail", "conv"), ("u", "tails"),
+                           kernels.kernel_body("gdn_conv"), kernels.kernel_header())
+    assert not conv.threaded      # no barrier / SIMD function: threads run in turn
+    attn = build.EmuKernel("attn_verify", kernels.KERNELS["attn_verify"].inputs, ("o",),
+                           kernels.kernel_body("attn_verify"))
+    inst = build.instance_for(attn, list(attn_inputs(1, 1, 32, 0)) + [np.int32(0), np.ones(16, np.float32)],
+                              [np.float32], [("HD", 32), ("ROPE_Q", 0)])
+    src = attn.function_source("f", inst.in_specs, inst.out_dtypes, inst.template)
+    assert "  const constant int32_t& pos0 [[buffer(4)]],\n" in src   # 0-d input: by reference
+    names = [ln.split("[[")[-1].rstrip("]) {,\n") for ln in src.splitlines() if ln.startswith("  uint")]
+    assert names == ["simdgroup_index_in_threadgroup", "thread_index_in_simdgroup",
+                     "thread_index_in_threadgroup", "threadgroup_position_in_grid"]  # MLX's order
+
+
+# ---- GDN ----------------------------------------------------------------------------------
+@pytest.mark.parametrize("M,d", CONV_CASES)
+def test_conv_step(ops, M, d):
+    r = _rng(M + d)
+    x, tail, conv = (r.standard_normal(s).astype(np.float32) for s in ((M, d), (2, d), (3, d)))
+    u, tails = ops.conv_step(x, tail, conv)
+    ru, rt = ref_conv(x, tail, conv)
+    assert u.shape == (M, d) and tails.shape == (M, 2, d)
+    assert np.abs(u - ru).max() < 2e-6
+    assert np.array_equal(tails, rt.astype(np.float32))     # a copy: exact
+
+
+@pytest.mark.parametrize("M,H,hd", DELTA_CASES)
+def test_delta_rule(ops, M, H, hd):
+    q, k, v, a, b, S0 = delta_inputs(M, H, hd, seed=M * H)
+    o, S_all = ops.delta_rule(q, k, v, a, b, S0)
+    ro, rS = ref_delta(q, k, v, a, b, S0)
+    assert o.shape == (M, H, hd) and S_all.shape == (M, H, hd, hd)
+    assert np.abs(ro).max() > 0.05 and np.isfinite(S_all).all()
+    assert np.abs(o - ro).max() < 1e-5
+    assert np.abs(S_all - rS).max() < 1e-5
+
+
+@pytest.mark.parametrize("M,H,hd", DELTA_CASES)
+def test_delta_rule_fused_norm_and_gates(ops, M, H, hd):
+    r = _rng(100 + M)
+    q_raw = (3 * r.standard_normal((M, H, hd))).astype(np.float32)
+    k_raw = (0.5 * r.standard_normal((M, H, hd))).astype(np.float32)
+    _, _, v, _, _, S0 = delta_inputs(M, H, hd, seed=7)
+    dl, bl = r.standard_normal(H).astype(np.float32), r.standard_normal(H).astype(np.float32)
+    o, S_all = ops.delta_rule_fused(q_raw, k_raw, v, dl, bl, S0)
+    ro, rS = ref_delta(_unit(q_raw), _unit(k_raw), v, _sigmoid(dl), _sigmoid(bl), S0)
+    assert np.abs(o - ro).max() < 1e-5
+    assert np.abs(S_all - rS).max() < 1e-5
+
+
+def test_gdn_batch_equals_token_by_token(ops):
+    """The strict-mode property at kernel level: M tokens at once == M calls of one token."""
+    M, H, hd = 5, 3, 64
+    q, k, v, a, b, S0 = delta_inputs(M, H, hd, seed=3)
+    o, S_all = ops.delta_rule(q, k, v, a, b, S0)
+    S = S0
+    for j in range(M):
+        oj, Sj = ops.delta_rule(q[j:j + 1], k[j:j + 1], v[j:j + 1], a, b, S)
+        assert np.array_equal(oj[0], o[j]) and np.array_equal(Sj[0], S_all[j])
+        S = Sj[0]
+    r = _rng(4)
+    x, tail, conv = (r.standard_normal(s).astype(np.float32) for s in ((M, 100), (2, 100), (3, 100)))
+    u, tails = ops.conv_step(x, tail, conv)
+    t = tail
+    for j in range(M):
+        uj, tj = ops.conv_step(x[j:j + 1], t, conv)
+        assert np.array_equal(uj[0], u[j]) and np.array_equal(tj[0], tails[j])
+        t = tj[0]
+
+
+# ---- attention ----------------------------------------------------------------------------
+@pytest.mark.parametrize("M,H,hd,pos0", ATTN_CASES)
+def test_attend(ops, M, H, hd, pos0):
+    q, kc, vc = attn_inputs(M, H, hd, pos0, seed=pos0 + M)
+    o = ops.attend(q, kc, vc, pos0, M)
+    ref = ref_attend(q, kc, vc, pos0)
+    assert o.shape == (M, H, hd) and np.isfinite(o).all()
+    assert np.abs(o - ref).max() < 2e-5
+
+
+@pytest.mark.parametrize("M,H,hd,pos0", ATTN_CASES)
+def test_attend_rope_fused(ops, M, H, hd, pos0):
+    r = _rng(200 + M)
+    q_raw = (2 * r.standard_normal((M, H, hd))).astype(np.float32)
+    _, kc, vc = attn_inputs(M, H, hd, pos0, seed=9)
+    inv_freq = kernels.rope_inv_freq(hd, 10000.0)
+    o = ops.attend_rope(q_raw, kc, vc, pos0, M, inv_freq)
+    ref = ref_attend(ref_rope(_unit(q_raw), pos0, inv_freq), kc, vc, pos0)
+    # the angle rounds alike here and in the kernel; cos/sin of a ~1e3 rad float32 angle differ by ulps
+    assert np.abs(o - ref).max() < 5e-5
+
+
+def test_attend_batch_equals_query_by_query(ops):
+    M, H, hd, pos0 = 17, 2, 32, 3
+    q, kc, vc = attn_inputs(M, H, hd, pos0, seed=5)
+    o = ops.attend(q, kc, vc, pos0, M)
+    for j in range(M):
+        oj = ops.attend(q[j:j + 1], kc, vc, pos0 + j, 1)
+        assert np.array_equal(oj[0], o[j])
+
+
+# ---- against the model's MLX-ops path ------------------------------------------------------
+def test_matches_model_mlx_ops(ops):
+    from spel_mlx.model import MLXOps
+    ref = MLXOps()
+    M, H, hd = 5, 3, 64
+    q, k, v, a, b, S0 = delta_inputs(M, H, hd, seed=11)
+    o, S_all = ops.delta_rule(q, k, v, a, b, S0)
+    mo, mS = ref.delta_rule(*(mx.array(t) for t in (q, k, v, a, b, S0)))
+    assert np.abs(o - np.array(mo)).max() < 1e-5 and np.abs(S_all - np.array(mS)).max() < 1e-5
+    r = _rng(12)
+    x, tail, conv = (r.standard_normal(s).astype(np.float32) for s in ((17, 48), (2, 48), (3, 48)))
+    u, tails = ops.conv_step(x, tail, conv)
+    mu, mt = ref.conv_step(*(mx.array(t) for t in (x, tail, conv)))
+    assert np.abs(u - np.array(mu)).max() < 2e-6 and np.array_equal(tails, np.array(mt))
+    for M, H, hd, pos0 in ATTN_CASES:
+        q, kc, vc = attn_inputs(M, H, hd, pos0, seed=13)
+        n = pos0 + M
+        mo = ref.attend(mx.array(q), mx.array(kc[:n]), mx.array(vc[:n]), pos0, M)
+        assert np.abs(ops.attend(q, kc, vc, pos0, M) - np.array(mo)).max() < 2e-5
+
+
+# ---- ternary ------------------------------------------------------------------------------
+@pytest.mark.parametrize("N,R,C", TERN_CASES)
+def test_ternary_matmul_bit_exact(ops, N, R, C):
+    packed, t, s, x = tern_inputs(N, R, C, seed=N * R)
+    x[0, :] = 0.0 if N > 1 else x[0, :]          # an all-zero vector gives zeros
+    y = ops.ternary_matmul(x, packed, s)
+    assert y.shape == (N, R)
+    for n in range(N):
+        ref = quant.gemv_ternary_ref(packed, s, x[n], cols=C)
+        assert np.array_equal(y[n], ref), n       # integer dot products: bit-exact
+    xq, sx = ops.quantize_activations(x)
+    cp = quant.packed_row_bytes(C) * 4
+    rq, rs = quant.quantize_activation(x)
+    assert xq.shape == (N, cp) and np.array_equal(xq[:, :C], rq) and not xq[:, C:].any()
+    assert np.array_equal(sx, rs)
+    y1 = ops.ternary_matmul(x[-1], packed.view(np.uint32), s)     # 1-D x, uint32 view
+    assert np.array_equal(y1, y[-1])
+
+
+def test_mlx_affine_2bit_represents_ternary_exactly():
+    packed, t, s, x = tern_inputs(3, 24, 130, seed=21)
+    w, scales, biases = kernels.ternary_to_mlx_affine(packed, s)
+    cp = packed.shape[1] * 4
+    assert w.dtype == np.uint32 and w.shape == (24, cp // 16) and scales.shape == (24, cp // 64)
+    deq = np.array(mx.dequantize(mx.array(w), mx.array(scales), mx.array(biases), group_size=64, bits=2))
+    want = np.zeros((24, cp), np.float32)
+    want[:, :130] = t.astype(np.float32) * s[:, None]
+    assert np.array_equal(deq, want)              # codes {0,1,2} x s - s: exact
+    xp = np.zeros((3, cp), np.float32)
+    xp[:, :130] = x
+    y = np.array(kernels.mlx_affine_ternary_matmul(mx.array(xp), mx.array(w), mx.array(scales),
+                                                   mx.array(biases)))
+    assert np.abs(y - xp @ want.T).max() < 1e-4
+
+
+# ---- the harness itself ------------------------------------------------------------------------
+def test_emulator_reports_divergent_simd_call(monkeypatch):
+    require_or_skip(HAVE_CXX, "g++/clang++ not found")
+    build = kernels._emu_module()
+    body = ("if (thread_index_in_simdgroup < 3) { return; }\n"
+            "y[thread_position_in_grid.x] = metal::simd_sum(x[thread_position_in_grid.x]);")
+    k = build.EmuKernel("divergent", ("x",), ("y",), body)
+    monkeypatch.setenv("METAL_EMU_TIMEOUT_S", "1")
+    with pytest.raises(build.EmulationError, match="not reached by every thread"):
+        build.launch(build.EmuLibrary(), {"divergent": k}, k, [np.ones(64, np.float32)], [],
+                     (64, 1, 1), (64, 1, 1), [(64,)], [np.float32])
+
+
+def test_emulator_barrier_and_simd_semantics():
+    """threadgroup memory is shared within a group, barriers order it, SIMD ops see 32 lanes,
+    partial edge groups run with their real size, and unwritten outputs stay NaN."""
+    require_or_skip(HAVE_CXX, "g++/clang++ not found")
+    build = kernels._emu_module()
+    body = """
+  threadgroup float sh[96];
+  const uint t = thread_index_in_threadgroup;
+  sh[t] = x[thread_position_in_grid.x];
+  metal::threadgroup_barrier(metal::mem_flags::mem_threadgroup);
+  const float mirrored = sh[threads_per_threadgroup.x - 1 - t];
+  const float lane0 = metal::simd_broadcast(mirrored, 0);
+  const float total = metal::simd_sum(1.0f);
+  const uint idx = thread_position_in_grid.x;
+  if (idx % 7 != 6) {
+    y[idx] = mirrored + 1000.0f * lane0 + 1e6f * total;
+  }
+"""
+    k = build.EmuKernel("semantics", ("x",), ("y",), body)
+    x = np.arange(160, dtype=np.float32)
+    (y,) = build.launch(build.EmuLibrary(), {"semantics": k}, k, [x], [], (160, 1, 1), (96, 1, 1),
+                        [(160,)], [np.float32])
+    want = np.empty(160)
+    for g0, n in ((0, 96), (96, 64)):                    # second group is partial: 64 threads
+        for t in range(n):
+            lane0_t = t - t % 32
+            want[g0 + t] = (x[g0 + n - 1 - t] + 1000 * x[g0 + n - 1 - lane0_t] + 1e6 * 32)
+    written = np.arange(160) % 7 != 6
+    assert np.array_equal(y[written], want[written].astype(np.float32))
+    assert np.isnan(y[~written]).all()
+
+
+# ---- selection ----------------------------------------------------------------------------------
+def test_select_and_describe(monkeypatch):
+    monkeypatch.delenv("SPEL_KERNELS", raising=False)
+    monkeypatch.setattr(kernels, "_selected", None)
+    auto = kernels.resolve()
+    assert auto == ("metal" if kernels.metal_available() else "mlx")
+    assert kernels.describe().startswith(auto)
+    with pytest.raises(ValueError, match="SPEL_KERNELS"):
+        kernels.resolve("cuda")
+    monkeypatch.setenv("SPEL_KERNELS", "emulated")
+    assert kernels.resolve() == "emulated"
+    from spel_mlx.model import MLXOps
+    assert isinstance(kernels.select("mlx"), MLXOps)
+    assert kernels.describe().startswith("mlx (selected)")
+    if not kernels.metal_available():
+        with pytest.raises(RuntimeError, match="Metal is not available"):
+            kernels.MetalOps()
+    if HAVE_CXX:
+        assert isinstance(kernels.select("emulated"), kernels.EmulatedOps)
+        assert kernels.describe().startswith("emulated (selected)")
+
+
+# ---- the model's fidelity properties with the kernels' code path ----------------------------
+def test_model_strict_fast_and_rollback_with_emulated_kernels(ops):
+    from spel_mlx.config import ModelConfig
+    from spel_mlx.model import SpelModel, init_weights
+    cfg = ModelConfig(d_model=48, n_layers=3, n_heads=2, head_dim=32, d_ff=64, vocab=32,
+                      max_seq=96, attn_period=3, draft_map=(0, 2), spec_k=4)
+    w = init_weights(cfg, seed=3)
+    ref_model = SpelModel.from_weights(cfg, w)
+    model = SpelModel.from_weights(cfg, w)
+    model.compile = False                      # the emulation reads arrays on the host
+    model.set_ops(kernels.EmulatedOps())
+    r = _rng(30)
+    prompt, batch, after = (r.integers(0, cfg.vocab, n) for n in (9, 5, 4))
+
+    def state_after(m, toks):
+        st = m.new_state()
+        m.prefill(toks, st, strict=True)
+        return st
+
+    a = state_after(model, prompt)
+    strict = np.array(model.forward(batch, a, strict=True))
+    b = state_after(model, prompt)
+    singles = []
+    for tok in batch:
+        singles.append(np.array(model.forward([tok], b)))
+        b.commit(1)
+    singles = np.concatenate(singles)
+    assert np.array_equal(strict.view(np.uint32), singles.view(np.uint32))   # bit-identical
+
+    c = state_after(model, prompt)
+    fast = np.array(model.forward(batch, c, strict=False))
+    assert (fast.argmax(-1) == strict.argmax(-1)).all() and np.abs(fast - strict).max() < 1e-4
+
+    ref = np.array(ref_model.forward(batch, state_after(ref_model, prompt), strict=True))
+    assert np.abs(strict - ref).max() < 1e-4   # same function as the MLX-ops path
+
+    for n in (1, 3):                           # rollback: commit n of 5, then continue
+        s1 = state_after(model, prompt)
+        model.forward(batch, s1, strict=True)
+        s1.commit(n)
+        got = np.array(model.forward(after, s1, strict=True))
+        s2 = state_after(model, np.concatenate([prompt, batch[:n]]))
+        want = np.array(model.forward(after, s2, strict=True))
+        assert np.array_equal(got.view(np.uint32), want.view(np.uint32))
