@@ -87,42 +87,21 @@ class MLXOps:
         return o, mx.stack(states)
 
     def attend(self, q, k_cache, v_cache, pos0, M):
-        """Causal softmax attention of M queries against a KV cache.
+        """Causal softmax attention of M queries against a KV cache window.
 
-        q [M,H,hd] (rotated, unit vectors), k_cache/v_cache [max_seq,H,hd]
-        with this batch's k/v already written at pos0..pos0+M-1.  Query j sees
-        positions <= pos0+j.  Score scale sqrt(hd) (SPEC 2).  Returns [M,H,hd].
+        q [M,H,hd] (rotated, unit vectors); k_cache/v_cache [W,H,hd], the
+        first W cache rows (W >= pos0+M) with this batch's k/v already written
+        at pos0..pos0+M-1.  Query j sees positions <= pos0+j; rows past that
+        are stale and masked.  pos0 is an int or an int32 scalar array (inside
+        the compiled step).  Score scale sqrt(hd) (SPEC 2).  Returns [M,H,hd].
         """
         hd = q.shape[-1]
-        n = pos0 + M
-        k = k_cache[:n].transpose(1, 2, 0)        # [H,hd,n]
-        v = v_cache[:n].transpose(1, 0, 2)        # [H,n,hd]
-        s = (q.transpose(1, 0, 2) @ k) * math.sqrt(hd)   # [H,M,n]
-        if M > 1:
-            qpos = mx.arange(pos0, n)[:, None]
-            s = mx.where(mx.arange(n)[None, :] <= qpos, s, -mx.inf)
+        W = k_cache.shape[0]
+        s = (q.transpose(1, 0, 2) @ k_cache.transpose(1, 2, 0)) * math.sqrt(hd)   # [H,M,W]
+        last = mx.arange(M)[:, None] + pos0                                     # [M,1]
+        s = mx.where(mx.arange(W)[None, :] <= last, s, -mx.inf)
         p = mx.softmax(s, axis=-1)
-        return (p @ v).transpose(1, 0, 2)
-
-    def attend_step(self, q, k_win, v_win, pos, k_new, v_new):
-        """One query at position ``pos`` (an int32 scalar array).
-
-        k_win/v_win [W,H,hd] are the first W cache rows (W > pos; rows >= pos
-        are stale and masked), k_new/v_new [H,hd] the current token's k/v (not
-        yet in the cache).  Returns [H,hd].  Used inside the compiled step.
-        """
-        hd = q.shape[-1]
-        scale = math.sqrt(hd)
-        W = k_win.shape[0]
-        s_old = mx.sum(k_win * q[None], axis=-1) * scale          # [W,H]
-        s_old = mx.where(mx.arange(W)[:, None] < pos, s_old, -mx.inf)
-        s_new = mx.sum(k_new * q, axis=-1, keepdims=True).T * scale  # [1,H]
-        m = mx.maximum(mx.max(s_old, axis=0, keepdims=True), s_new)
-        p_old = mx.exp(s_old - m)
-        p_new = mx.exp(s_new - m)
-        den = mx.sum(p_old, axis=0) + p_new[0]                   # [H]
-        num = mx.sum(p_old[:, :, None] * v_win, axis=0) + p_new[0][:, None] * v_new
-        return num / den[:, None]
+        return (p @ v_cache.transpose(1, 0, 2)).transpose(1, 0, 2)
 
 
 DEFAULT_OPS = MLXOps()
@@ -210,16 +189,17 @@ class Attention(nn.Module):
         k = self.rope(l2_normalize(qkv[:, 1]), offset)
         return q, k, qkv[:, 2]
 
-    def __call__(self, x, k_cache, v_cache, pos0, ops):
-        """Batch path: writes k/v into the caches at pos0.. (in place), attends.
+    def __call__(self, x, k_cache, v_cache, pos0, window, ops):
+        """x [M,d] normed input at positions pos0.. (pos0: int32 scalar array).
 
-        Returns out [M,d] and the updated caches.
+        Writes this batch's k/v into the full caches, attends over the first
+        ``window`` rows.  Returns out [M,d] and the updated caches.
         """
         M = x.shape[0]
         q, k, v = self.qkv(x, pos0)
-        k_cache[pos0:pos0 + M] = k
-        v_cache[pos0:pos0 + M] = v
-        o = ops.attend(q, k_cache, v_cache, pos0, M)
+        k_cache = mx.slice_update(k_cache, k, pos0, axes=(0,))
+        v_cache = mx.slice_update(v_cache, v, pos0, axes=(0,))
+        o = ops.attend(q, k_cache[:window], v_cache[:window], pos0, M)
         return self.wo(o.reshape(M, -1)), k_cache, v_cache
 
 
@@ -258,7 +238,9 @@ class SpelModel(nn.Module):
         self.lm_head = nn.Linear(cfg.d_model, cfg.vocab, bias=False)
         self.draft = DraftStack(cfg)
         self._ops = DEFAULT_OPS
-        self._steps = {}   # (stack, window) -> compiled step
+        self.compile = True      # False: run the passes uncompiled (debugging)
+        # (stack, M, window) -> compiled pass; a plain attribute, not part of the module tree
+        object.__setattr__(self, "_compiled", {})
 
     # --- weights ------------------------------------------------------------
     @classmethod
@@ -285,7 +267,11 @@ class SpelModel(nn.Module):
             items.append((name, mx.array(np.asarray(w, dtype=np.float32))))
         self.load_weights(items, strict=True)
         mx.eval(self.parameters())
-        self._steps.clear()
+
+    def update(self, parameters: dict, strict: bool = True):
+        """nn.Module.update; also drops the compiled passes (they hold the old arrays)."""
+        self._compiled.clear()
+        return super().update(parameters, strict=strict)
 
     def weights_dict(self) -> dict:
         """``{name: np.float32 array}`` in layout order."""
@@ -300,7 +286,7 @@ class SpelModel(nn.Module):
     def set_ops(self, ops) -> None:
         """Swap the sequence primitives (see MLXOps); recompiles the step."""
         self._ops = DEFAULT_OPS if ops is None else ops
-        self._steps.clear()
+        self._compiled.clear()
 
     # --- state ---------------------------------------------------------------
     def stack_layers(self, stack: str) -> list:
@@ -321,9 +307,9 @@ class SpelModel(nn.Module):
         """Run M tokens after the state's last written position; no commit.
 
         Returns logits [M, V] float32.  strict: every row runs the single-token
-        step (bit-identical to M single-token calls).  capture: filled with
-        ``capture[layer] = {"q": [M,H,hd], "k": [M,H,hd]}`` per GDN layer
-        (layer = index within the stack).
+        pass (bit-identical to M single-token calls); fast: one M-row pass with
+        GEMM projections.  capture: filled with ``capture[layer] = {"q": [M,H,hd],
+        "k": [M,H,hd]}`` per GDN layer (layer = index within the stack).
         """
         stack = state.stack if stack is None else stack
         if stack != state.stack:
@@ -331,19 +317,20 @@ class SpelModel(nn.Module):
         toks = _token_list(tokens, self.cfg.vocab)
         M = len(toks)
         state.check_room(M)
-        if M == 1 or strict:
-            rows = [self._step(t, state, capture) for t in toks]
-            logits = rows[0] if M == 1 else mx.concatenate(rows, axis=0)
-            if capture is not None and M > 1:
-                for layer, d in capture.items():
-                    if isinstance(d.get("q"), list):
-                        capture[layer] = {"q": mx.concatenate(d["q"]), "k": mx.concatenate(d["k"])}
-            elif capture is not None:
-                for layer, d in capture.items():
-                    if isinstance(d.get("q"), list):
-                        capture[layer] = {"q": d["q"][0], "k": d["k"][0]}
+        if M == 1 or not strict:
+            logits, qk = self._run(toks, state)
+            if capture is not None:
+                capture.update(qk)
             return logits
-        return self._batch(toks, state, capture)
+        rows, qks = [], []
+        for t in toks:
+            logits, qk = self._run([t], state)
+            rows.append(logits)
+            qks.append(qk)
+        if capture is not None:
+            for li in qks[0]:
+                capture[li] = {n: mx.concatenate([qk[li][n] for qk in qks]) for n in ("q", "k")}
+        return mx.concatenate(rows, axis=0)
 
     def prefill(self, tokens, state: DecodeState, stack: str | None = None, strict: bool = False) -> mx.array:
         """Feed a prompt in chunks of the ring size, committing each; last logits [V]."""
@@ -362,122 +349,65 @@ class SpelModel(nn.Module):
 
     __call__ = forward
 
-    # --- batch path (fast mode) ---------------------------------------------
-    def _batch(self, toks, state: DecodeState, capture):
-        ops = self._ops
+    def _run(self, toks: list, state: DecodeState):
+        """One pass of len(toks) rows through the state's stack (compiled per shape)."""
         M = len(toks)
         base = state.pos + state.pending
-        x = self.tok_emb(mx.array(toks, dtype=mx.int32))
-        for li, blk in enumerate(self.stack_layers(state.stack)):
-            xn = blk.attn_norm(x)
-            if blk.kind == "gdn":
-                S0, tail0 = state.current_gdn(li)
-                out, S_all, tails, q, k = blk.mixer(xn, S0, tail0, ops)
-                state.write_gdn(li, [S_all[j] for j in range(M)], [tails[j] for j in range(M)])
-                if capture is not None:
-                    capture[li] = {"q": q, "k": k}
-            else:
-                kc, vc = state.kv(li)
-                out, kc, vc = blk.mixer(xn, kc, vc, base, ops)
-                state.set_kv(li, kc, vc)
-            x = blk.ffn(x + out)
-        state.advance(M)
-        return self.lm_head(self.final_norm(x))
-
-    # --- step path (one token, compiled) ------------------------------------
-    def _step(self, token: int, state: DecodeState, capture):
-        base = state.pos + state.pending
-        window = _window(base, self.cfg.max_seq)
-        key = (state.stack, window)
-        fn = self._steps.get(key)
+        window = _window(base + M, self.cfg.max_seq)
+        key = (state.stack, M, window)
+        fn = self._compiled.get(key)
         if fn is None:
-            fn = self._steps[key] = self._make_step(state.stack)
-        layers = self.stack_layers(state.stack)
+            fn = self._compiled[key] = self._make_pass(state.stack, M, window)
         gdn_in, kv_in = [], []
-        for li, blk in enumerate(layers):
-            if blk.kind == "gdn":
-                gdn_in.extend(state.current_gdn(li))
-            else:
-                kc, vc = state.kv(li)
-                kv_in += [kc[:window], vc[:window]]
-        outs = fn(self._step_params(state.stack), mx.array([token], dtype=mx.int32),
-                  mx.array(base, dtype=mx.int32), gdn_in, kv_in)
-        logits, gdn_out, kv_new, qk = outs
-        gi = ai = 0
-        for li, blk in enumerate(layers):
-            if blk.kind == "gdn":
-                state.write_gdn(li, [gdn_out[2 * gi]], [gdn_out[2 * gi + 1]])
-                if capture is not None:
-                    capture.setdefault(li, {"q": [], "k": []})
-                    capture[li]["q"].append(qk[2 * gi])
-                    capture[li]["k"].append(qk[2 * gi + 1])
-                gi += 1
-            else:
-                kc, vc = state.kv(li)
-                kc[base:base + 1] = kv_new[2 * ai]
-                vc[base:base + 1] = kv_new[2 * ai + 1]
-                state.set_kv(li, kc, vc)
-                ai += 1
-        state.advance(1)
-        return logits
+        for li in state.gdn_layers:
+            gdn_in.extend(state.current_gdn(li))
+        for li in state.attn_layers:
+            kv_in.extend(state.kv(li))
+        logits, gdn_out, kv_out, qk = fn(mx.array(toks, dtype=mx.int32),
+                                         mx.array(base, dtype=mx.int32), gdn_in, kv_in)
+        del kv_in   # only the pass may reference the old caches: lets MLX update them in place
+        for n, li in enumerate(state.attn_layers):
+            state.set_kv(li, kv_out[2 * n], kv_out[2 * n + 1])
+        captured = {}
+        for n, li in enumerate(state.gdn_layers):
+            state.write_gdn(li, gdn_out[2 * n * M:(2 * n + 1) * M], gdn_out[(2 * n + 1) * M:(2 * n + 2) * M])
+            captured[li] = {"q": qk[2 * n], "k": qk[2 * n + 1]}
+        state.advance(M)
+        mx.async_eval(logits, gdn_out, kv_out)
+        return logits, captured
 
-    def _step_params(self, stack):
-        return [self.tok_emb.weight, self.final_norm.weight, self.lm_head.weight] + \
-            [p for blk in self.stack_layers(stack) for _, p in _flatten(blk.parameters())]
+    def _make_pass(self, stack: str, M: int, window: int):
+        """The function of one M-row pass, compiled for a fixed M and window.
 
-    def _make_step(self, stack: str):
-        """Build the compiled single-token step of one stack.
-
-        Inputs: the stack's parameters (explicit, so reloading weights needs
-        no recompilation trick), token [1], pos (int32 scalar), the GDN
-        states [S, tail]*, and the attention windows [k_win, v_win]*.
-        Outputs: logits [1,V], new [S [1,H,hd,hd]... as S_all, tails],
-        the new [k, v] rows [1,H,hd], and the GDN [q, k] for capture.
+        Inputs: tokens [M] int32, pos (int32 scalar: position of row 0), the
+        GDN states [S, tail] per GDN layer, the full KV caches [K, V] per
+        attention layer.  Outputs: logits [M,V]; per GDN layer the M states S
+        [H,hd,hd] then the M conv tails [2,d]; the updated caches; per GDN
+        layer q and k [M,H,hd].  The parameters are captured as constants, so
+        ``update``/``set_ops`` drop the compiled passes.
         """
         ops = self._ops
         layers = self.stack_layers(stack)
-        names = [[n for n, _ in _flatten(blk.parameters())] for blk in layers]
-        model = self
 
-        def step(params, token, pos, gdn_in, kv_in):
-            emb, fnorm, head = params[0], params[1], params[2]
-            x = emb[token]
-            at = 3
+        def one_pass(tokens, pos, gdn_in, kv_in):
+            x = self.tok_emb(tokens)
+            gdn_out, kv_out, qk = [], [], []
             gi = ai = 0
-            gdn_out, kv_new, qk = [], [], []
-            for blk, pnames in zip(layers, names):
-                p = dict(zip(pnames, params[at:at + len(pnames)]))
-                at += len(pnames)
-                xn = mx.fast.rms_norm(x, p["attn_norm.weight"], model.cfg.norm_eps)
+            for blk in layers:
+                xn = blk.attn_norm(x)
                 if blk.kind == "gdn":
-                    mix = blk.mixer
-                    u, tails = ops.conv_step(xn, gdn_in[2 * gi + 1], p["mixer.conv"])
-                    qkv = (u @ p["mixer.wqkv.weight"].T).reshape(1, 3, mix.n_heads, mix.head_dim)
-                    q, k, v = l2_normalize(qkv[:, 0]), l2_normalize(qkv[:, 1]), qkv[:, 2]
-                    o, S_all = ops.delta_rule(q, k, v, mx.sigmoid(p["mixer.decay_logit"]),
-                                              mx.sigmoid(p["mixer.beta_logit"]), gdn_in[2 * gi])
-                    gdn_out += [S_all[0], tails[0]]
+                    out, S_all, tails, q, k = blk.mixer(xn, gdn_in[2 * gi], gdn_in[2 * gi + 1], ops)
+                    gdn_out += [S_all[j] for j in range(M)] + [tails[j] for j in range(M)]
                     qk += [q, k]
                     gi += 1
-                    out = o.reshape(1, -1) @ p["mixer.wo.weight"].T
                 else:
-                    mix = blk.mixer
-                    qkv = (xn @ p["mixer.wqkv.weight"].T).reshape(1, 3, mix.n_heads, mix.head_dim)
-                    q = mix.rope(l2_normalize(qkv[:, 0]), pos)
-                    k = mix.rope(l2_normalize(qkv[:, 1]), pos)
-                    v = qkv[:, 2]
-                    o = ops.attend_step(q[0], kv_in[2 * ai], kv_in[2 * ai + 1], pos, k[0], v[0])
-                    kv_new += [k, v]
+                    out, kc, vc = blk.mixer(xn, kv_in[2 * ai], kv_in[2 * ai + 1], pos, window, ops)
+                    kv_out += [kc, vc]
                     ai += 1
-                    out = o.reshape(1, -1) @ p["mixer.wo.weight"].T
-                h = x + out
-                hn = mx.fast.rms_norm(h, p["ffn_norm.weight"], model.cfg.norm_eps)
-                g = nn.silu(hn @ p["mlp.w1.weight"].T) * (hn @ p["mlp.w3.weight"].T)
-                x = h + g @ p["mlp.w2.weight"].T
-            logits = mx.fast.rms_norm(x, fnorm, model.cfg.norm_eps) @ head.T
-            return logits, gdn_out, kv_new, qk
+                x = blk.ffn(x + out)
+            return self.lm_head(self.final_norm(x)), gdn_out, kv_out, qk
 
-        return mx.compile(step)
+        return mx.compile(one_pass) if self.compile else one_pass
 
 
 # ---------------------------------------------------------------------------
@@ -494,10 +424,10 @@ def _flatten(tree, prefix=""):
         yield prefix[:-1], tree
 
 
-def _window(pos: int, max_seq: int) -> int:
-    """Attention window of the step: the smallest power of two > pos (>= MIN_WINDOW)."""
+def _window(n: int, max_seq: int) -> int:
+    """Attention window covering n positions: a power of two >= n (>= MIN_WINDOW)."""
     w = MIN_WINDOW
-    while w <= pos:
+    while w < n:
         w *= 2
     return min(w, max_seq)
 
