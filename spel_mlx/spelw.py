@@ -377,6 +377,16 @@ def write_f32(f, arr) -> int:
     return 4 * a.size
 
 
+def _new_file_mode(path) -> int:
+    """The mode a plain open() would give: the old file's, else 0666 & ~umask."""
+    try:
+        return os.stat(path).st_mode & 0o777
+    except OSError:
+        mask = os.umask(0)
+        os.umask(mask)
+        return 0o666 & ~mask
+
+
 class AtomicFile:
     """A temp file beside ``path`` that replaces ``path`` only on commit()."""
 
@@ -385,6 +395,7 @@ class AtomicFile:
         d = os.path.dirname(os.path.abspath(self.path))
         fd, self.tmp_path = tempfile.mkstemp(prefix="." + os.path.basename(self.path) + ".", suffix=".tmp", dir=d)
         self.f = os.fdopen(fd, "w+b")
+        os.chmod(self.tmp_path, _new_file_mode(self.path))  # mkstemp makes 0600
         self.done = False
 
     def commit(self):
@@ -469,6 +480,9 @@ class SpelwWriter:
         self.f.write(np.ascontiguousarray(golden.tokens, dtype="<u4").tobytes())
         write_f32(self.f, golden.target_logits)
         write_f32(self.f, golden.draft_logits)
+        self.written += footer_nbytes(n, self.cfg.vocab)
+        if self.progress:
+            self.progress(self.written)
         self.f.seek(OFF_FLAGS)
         self.f.write(struct.pack("<I", FLAG_GOLDEN))
         self.f.seek(0, os.SEEK_END)

@@ -49,10 +49,11 @@ def tolerance(environ=None) -> float:
     return tol
 
 
-def verify(path, config: str | None = None, draft: str = "auto", out=sys.stdout, target_backend: str = "mlx") -> bool:
+def verify(path, config: str | None = None, draft: str = "auto", out=None, target_backend: str = "mlx") -> bool:
     from .checkpoint import load_checkpoint
     from .golden import compute_draft, compute_target, golden_backends
 
+    out = sys.stdout if out is None else out
     tol = tolerance()
     ck = load_checkpoint(path)
     try:
