@@ -284,8 +284,13 @@ class SpelModel(nn.Module):
         return self._ops
 
     def set_ops(self, ops) -> None:
-        """Swap the sequence primitives (see MLXOps); recompiles the step."""
+        """Swap the sequence primitives (see MLXOps); drops the compiled passes.
+
+        Ops with ``requires_eager = True`` (they read arrays on the host) turn
+        compilation off; going back to the default ops turns it on again.
+        """
         self._ops = DEFAULT_OPS if ops is None else ops
+        self.compile = not getattr(self._ops, "requires_eager", False)
         self._compiled.clear()
 
     # --- state ---------------------------------------------------------------
