@@ -7,7 +7,7 @@ widened to float32 copies), the golden footer if any, and where it came from.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from .config import ModelConfig
@@ -27,6 +27,13 @@ class Checkpoint:
     format: str = "spelw"    # "spelw" | "safetensors"
     stored_dtype: str = "F32"  # on-disk dtype of the weights ("F32", "F16", "BF16" or "mixed")
     file_size: int = 0       # bytes on disk (all files of a folder)
+    _release: object = field(default=None, repr=False, compare=False)
+
+    def release_pages(self):
+        """Drop the mapped file pages from this process's resident set (after a
+        consumer such as the MLX model has copied the weights); views stay valid."""
+        if self._release is not None:
+            self._release()
 
     @property
     def target_params(self) -> int:
@@ -77,6 +84,8 @@ def load_checkpoint(path=None) -> Checkpoint:
         weights = {s.name: st.f32(s.name) for s in tensor_specs(st.cfg)}
         dts = st.stored_dtypes
         return Checkpoint(st.cfg, weights, st.golden(), path, "safetensors",
-                          dts.pop() if len(dts) == 1 else "mixed", sum(f.size for f in st.files))
+                          dts.pop() if len(dts) == 1 else "mixed", sum(f.size for f in st.files),
+                          lambda: [st.release(n) for n in weights])
     sp = read_spelw(path)
-    return Checkpoint(sp.cfg, sp.tensors, sp.golden, path, "spelw", "F32", sp.file_size)
+    return Checkpoint(sp.cfg, sp.tensors, sp.golden, path, "spelw", "F32", sp.file_size,
+                      lambda: sp.release(0, sp.file_size))

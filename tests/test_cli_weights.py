@@ -185,3 +185,29 @@ def test_synth_bad_config_exit_2(tmp_path, call):
                    "bogus")
     one_line_error(call("spel_mlx.synth", "--config", "draft_map=0:99", "--out", str(tmp_path / "x")), "99")
     assert os.listdir(tmp_path) == []
+
+
+def test_c_draft_matches_numpy_fakequant(synth_file):
+    """The golden draft path (C engine when it builds) agrees with the numpy
+    fake-quant reference of SPEC 3 on every argmax."""
+    try:
+        from spel_mlx.draft import CDraft  # noqa: F401
+    except (ImportError, OSError) as e:
+        pytest.skip(f"C draft unavailable: {e}")
+    f = read_spelw(synth_file)
+    c = golden.compute_draft(TINY, f.tensors, f.golden.tokens, prefer="c")
+    n = golden.compute_draft(TINY, f.tensors, f.golden.tokens, prefer="numpy")
+    assert np.abs(c - n).max() < 1e-4
+    assert (c.argmax(1) == n.argmax(1)).all()
+
+
+def test_default_checkpoint_message(monkeypatch, tmp_path):
+    from spel_mlx import checkpoint
+    from spel_mlx.spelw import CheckpointError
+    monkeypatch.setattr(checkpoint, "DEFAULT_DIR", tmp_path / "default")
+    monkeypatch.delenv("SPEL_WEIGHTS", raising=False)
+    with pytest.raises(CheckpointError, match="no trained checkpoint is installed.*spel_mlx.convert"):
+        checkpoint.load_checkpoint()
+    monkeypatch.setenv("SPEL_WEIGHTS", str(tmp_path / "w.spelw"))
+    with pytest.raises(CheckpointError, match="w.spelw: no such file"):
+        checkpoint.load_checkpoint()
