@@ -450,6 +450,10 @@ static int run_token(spel_draft *d, int32_t tok, int j, float *logits) {
 int spel_draft_forward_from(spel_draft *d, const int32_t *tokens, int m, int start, float *logits) {
     if (m < 1) return fail(d, "forward needs at least one token");
     if (start < 0 || start > d->last_m) return fail(d, "start %d beyond the %d uncommitted tokens", start, d->last_m);
+    /* a batch that filled the whole ring overwrote the committed slot: only commit
+     * (or continuing it) is possible, not a fresh batch */
+    if (start == 0 && d->last_m == d->R)
+        return fail(d, "the last batch filled the ring (%d slots); commit before starting a new batch", d->R);
     if (start + m > d->R) return fail(d, "batch of %d tokens exceeds the ring (%d slots)", start + m, d->R);
     for (int j = 0; j < m; j++)
         if (run_token(d, tokens[j], start + j, logits + (size_t)j * d->cfg.vocab)) {
@@ -479,6 +483,8 @@ int spel_draft_step(spel_draft *d, int32_t token, float *logits) {
 
 int spel_draft_propose(spel_draft *d, int32_t pending, int k, int32_t *out) {
     if (k < 1 || k + 1 > d->R) return fail(d, "propose(K=%d) needs K+1 <= ring (%d)", k, d->R);
+    if (d->last_m == d->R)
+        return fail(d, "the last batch filled the ring (%d slots); commit before proposing", d->R);
     float *logits = malloc(4 * (size_t)d->cfg.vocab);
     if (!logits) return fail(d, "out of memory");
     int32_t t = pending;

@@ -1,0 +1,260 @@
+"""The C draft: agreement with the numpy quantized-draft reference, bit-identity across
+thread counts and kernels, ring/commit semantics, propose, errors, and the pool's
+lifecycle (no leaked threads or memory, no deadlock)."""
+import os
+
+import numpy as np
+import pytest
+
+from spel_mlx.config import ModelConfig
+
+draft = pytest.importorskip("spel_mlx.draft")
+if draft.lib is None:
+    pytest.skip("C draft engine not built", allow_module_level=True)
+
+from reference_quant import draft_logits_reference  # noqa: E402
+
+SMALL = ModelConfig(d_model=128, n_heads=2, head_dim=64, d_ff=256, max_seq=64)
+DEFAULT = ModelConfig(max_seq=256)          # the 21m shape, short cache
+
+
+def random_weights(cfg, seed):
+    try:
+        from spel_mlx.model import init_weights
+    except ImportError:  # pragma: no cover - the model module is another part of the project
+        init_weights = None
+    if init_weights is not None:
+        return init_weights(cfg, seed)
+    from spel_mlx.layout import tensor_specs
+    rng = np.random.default_rng(seed)
+    out = {}
+    for s in tensor_specs(cfg):
+        if s.name.endswith("norm.weight"):
+            w = 1.0 + 0.1 * rng.standard_normal(s.shape)
+        elif len(s.shape) == 2 and s.name != "tok_emb.weight" and not s.name.endswith("conv"):
+            w = rng.standard_normal(s.shape) / np.sqrt(s.shape[1])
+        else:
+            w = rng.standard_normal(s.shape)
+        out[s.name] = w.astype(np.float32)
+    return out
+
+
+@pytest.fixture(scope="module")
+def small_weights():
+    return random_weights(SMALL, 1)
+
+
+@pytest.fixture(scope="module")
+def default_weights():
+    return random_weights(DEFAULT, 2)
+
+
+def golden_tokens(cfg, n=16, seed=0):
+    return np.random.default_rng(seed).integers(0, cfg.vocab, n)
+
+
+def task_count():
+    return len(os.listdir("/proc/self/task"))
+
+
+def rss_kib():
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1])
+    return 0
+
+
+@pytest.mark.parametrize("which", ["small", "default"])
+def test_matches_quantized_reference(which, small_weights, default_weights):
+    cfg, w = (SMALL, small_weights) if which == "small" else (DEFAULT, default_weights)
+    toks = golden_tokens(cfg)
+    with draft.CDraft(cfg, w, threads=1) as d:
+        got = d.forward_logits(toks)
+    ref = draft_logits_reference(cfg, w, toks)
+    assert got.shape == (16, cfg.vocab)
+    assert np.abs(got - ref).max() < 1e-3
+    assert np.array_equal(got.argmax(axis=1), ref.argmax(axis=1))
+
+
+def test_bit_identical_for_1_to_6_threads(default_weights):
+    toks = golden_tokens(DEFAULT, seed=5)
+    base = None
+    for threads in range(1, 7):
+        with draft.CDraft(DEFAULT, default_weights, threads=threads) as d:
+            assert d.threads == threads
+            got = d.forward_logits(toks)
+        if base is None:
+            base = got
+        assert int((got.view(np.uint32) != base.view(np.uint32)).sum()) == 0, threads
+
+
+def test_bit_identical_across_kernels(small_weights):
+    toks = golden_tokens(SMALL, seed=6)
+    outs = {}
+    for k in draft.available_kernels():
+        with draft.CDraft(SMALL, small_weights, kernel=k, threads=2) as d:
+            assert d.kernel == k
+            outs[k] = d.forward_logits(toks)
+    base = outs["scalar"]
+    for k, v in outs.items():
+        assert np.array_equal(v.view(np.uint32), base.view(np.uint32)), k
+
+
+def test_batch_forward_and_commit_equal_sequential_steps(small_weights):
+    toks = [int(t) for t in golden_tokens(SMALL, 12, seed=3)]
+    with draft.CDraft(SMALL, small_weights, ring=5) as seq:
+        want = np.stack([seq.step(t) for t in toks])
+    with draft.CDraft(SMALL, small_weights, ring=5) as d:
+        got = []
+        i = 0
+        for n in (5, 3, 4):                           # full-ring batches, committed whole
+            got.append(d.forward(toks[i:i + n]))
+            d.commit(n)
+            i += n
+        assert d.pos == 12
+        assert np.array_equal(np.concatenate(got), want)
+
+
+def test_rollback_is_exact(small_weights):
+    """Run a batch, keep only n tokens, continue: equals never having seen the rest."""
+    toks = [int(t) for t in golden_tokens(SMALL, 8, seed=4)]
+    with draft.CDraft(SMALL, small_weights, ring=5) as d, draft.CDraft(SMALL, small_weights, ring=5) as ref:
+        for t in toks[:3]:
+            d.step(t)
+            ref.step(t)
+        junk = [7, 9, 11, 13, 15]
+        d.forward([toks[3], toks[4]] + junk[:3])     # 5 tokens: the whole ring
+        d.commit(2)                                   # keep two, discard three
+        ref.step(toks[3])
+        ref.step(toks[4])
+        assert d.pos == ref.pos == 5
+        for t in toks[5:]:
+            assert np.array_equal(d.step(t), ref.step(t))
+
+
+def test_forward_continuation_equals_one_batch(small_weights):
+    toks = [3, 1, 4, 1, 5]
+    with draft.CDraft(SMALL, small_weights, ring=5) as d:
+        whole = d.forward(toks)
+        with pytest.raises(ValueError, match="filled the ring"):
+            d.forward(toks[:2])                        # the full batch overwrote the committed slot
+    with draft.CDraft(SMALL, small_weights, ring=5) as d:
+        parts = [d.forward(toks[:2])]
+        parts.append(d.forward(toks[2:4], start=2))
+        parts.append(d.forward(toks[4:], start=4))
+        assert np.array_equal(np.concatenate(parts), whole)
+        d.commit(5)
+        assert d.pos == 5
+
+
+def test_propose_is_greedy_and_uncommitted(small_weights):
+    K = 4
+    with draft.CDraft(SMALL, small_weights, ring=K + 1) as d, draft.CDraft(SMALL, small_weights, ring=K + 1) as ref:
+        for t in (10, 20, 30):
+            d.step(t)
+            ref.step(t)
+        props = d.propose(42, K)
+        assert d.pos == 3 and len(props) == K
+        want, t = [], 42
+        for _ in range(K):
+            t = int(np.argmax(ref.step(t)))
+            want.append(t)
+        assert props == want
+        d.commit(3)                                    # accept pending + 2 proposals
+        after = d.step(props[2])
+        ref2 = draft.CDraft(SMALL, small_weights, ring=K + 1)
+        for t in (10, 20, 30, 42, props[0], props[1]):
+            last = ref2.step(t)
+        del last
+        assert np.array_equal(after, ref2.step(props[2]))
+        ref2.close()
+
+
+def test_reset_reproduces(small_weights):
+    toks = golden_tokens(SMALL, 6, seed=9)
+    with draft.CDraft(SMALL, small_weights) as d:
+        a = d.forward_logits(toks)
+        d.reset()
+        assert d.pos == 0
+        b = d.forward_logits(toks)
+    assert np.array_equal(a, b)
+
+
+def test_q8_head_option(small_weights):
+    toks = golden_tokens(SMALL, 16, seed=1)
+    with draft.CDraft(SMALL, small_weights) as d:
+        f = d.forward_logits(toks)
+    outs = []
+    for threads in (1, 4):
+        with draft.CDraft(SMALL, small_weights, q8_head=True, threads=threads) as d:
+            outs.append(d.forward_logits(toks))
+    assert np.array_equal(outs[0], outs[1])
+    assert np.abs(outs[0] - f).max() < 0.05 * np.abs(f).max()
+
+
+def test_errors_are_clear(small_weights):
+    with draft.CDraft(SMALL, small_weights, ring=3) as d:
+        with pytest.raises(ValueError, match="out of range"):
+            d.step(SMALL.vocab)
+        with pytest.raises(ValueError, match="commit"):
+            d.commit(1)                               # nothing uncommitted
+        d.forward([1, 2])
+        with pytest.raises(ValueError, match="commit"):
+            d.commit(3)
+        with pytest.raises(ValueError, match="ring"):
+            d.forward([1, 2, 3, 4])
+        with pytest.raises(ValueError, match="ring"):
+            d.propose(1, 3)
+        with pytest.raises(ValueError, match="start"):
+            d.forward([1], start=5)
+    with pytest.raises(RuntimeError, match="closed"):
+        d.step(1)
+    with pytest.raises(ValueError, match="threads"):
+        draft.CDraft(SMALL, small_weights, threads=7)
+    with pytest.raises(ValueError, match="kernel"):
+        draft.CDraft(SMALL, small_weights, kernel="sse9")
+    bad = dict(small_weights)
+    bad["draft.layers.1.mlp.w2.weight"] = bad["draft.layers.1.mlp.w2.weight"][:, :-1]
+    with pytest.raises(ValueError, match=r"draft\.layers\.1\.mlp\.w2\.weight.*shape"):
+        draft.CDraft(SMALL, bad)
+    del bad["draft.layers.0.mixer.conv"]
+    with pytest.raises(KeyError, match="draft.layers.0.mixer.conv"):
+        draft.CDraft(SMALL, bad)
+    short = SMALL.replace(max_seq=4)
+    with draft.CDraft(short, small_weights, ring=2) as d:
+        for t in range(4):
+            d.step(t)
+        with pytest.raises(ValueError, match="max_seq"):
+            d.step(0)
+
+
+def test_threads_from_environment(small_weights, monkeypatch):
+    monkeypatch.setenv("SPEL_DRAFT_THREADS", "3")
+    with draft.CDraft(SMALL, small_weights) as d:
+        assert d.threads == 3
+    monkeypatch.setenv("SPEL_DRAFT_THREADS", "many")
+    with pytest.raises(ValueError, match="SPEL_DRAFT_THREADS"):
+        draft.CDraft(SMALL, small_weights)
+
+
+def test_100_engines_leak_no_threads_or_memory():
+    tiny = ModelConfig(d_model=64, n_heads=1, head_dim=64, d_ff=64, max_seq=16)
+    weights = random_weights(tiny, 3)
+    for _ in range(10):                               # warm up the allocator
+        draft.CDraft(tiny, weights, threads=4).close()
+    tasks, rss = task_count(), rss_kib()
+    for i in range(100):
+        d = draft.CDraft(tiny, weights, threads=1 + i % 6)
+        assert task_count() == tasks + d.threads - 1   # helpers exist while it lives
+        d.step(i % tiny.vocab)
+        d.close()
+    assert task_count() == tasks
+    assert rss_kib() - rss < 2048                       # 100 leaked engines (~90 KiB each) would show
+
+
+def test_pool_stress_no_deadlock():
+    with draft.Pool(2) as pool:
+        assert pool.stress(100_000, 4) == 400_000
+    with draft.Pool(6) as pool:
+        assert pool.stress(5_000, 36) == 180_000
