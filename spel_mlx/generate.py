@@ -1,0 +1,315 @@
+"""Generate text with speculative decoding.
+
+    python -m spel_mlx.generate                       # default prompt, shipped model
+    python -m spel_mlx.generate --prompt "It is a truth" --max-tokens 200 --stats
+    python -m spel_mlx.generate --checkpoint m.spelw --mode governed --spec-k 8 --temperature 0
+
+Text streams to stdout as tokens are accepted; --stats prints one JSON line of
+decoding statistics on stderr (also after Ctrl-C, which stops cleanly, exit 130).
+Bad input -- an unknown flag or value, K out of range, a prompt longer than
+max_seq, a missing or malformed checkpoint, a tokenizer that does not match the
+checkpoint's vocabulary -- gets one line on stderr and exit 2; no installed
+default checkpoint gets one line and exit 1.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+DEFAULT_PROMPT = "It is a truth universally acknowledged, that"
+DEFAULT_MAX_TOKENS = 200
+# Sampling defaults for the shipped model: small models loop under pure greedy,
+# so a light temperature / nucleus / repetition penalty reads better.  The
+# penalty is applied identically to draft and target, so sampling stays lossless.
+DEFAULT_TEMPERATURE = 0.7
+DEFAULT_TOP_P = 0.95
+DEFAULT_REPETITION_PENALTY = 1.1
+
+MODE_HELP = "ar | spec | governed | oracle | forced=ALPHA (forced and oracle are benchmark-only)"
+
+
+class UsageError(Exception):
+    """Bad command line or input: one line, exit 2."""
+
+
+class NoCheckpoint(Exception):
+    """No trained checkpoint installed: one line, exit 1."""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # one line, no usage dump
+        raise UsageError(message)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = _Parser(prog="python -m spel_mlx.generate",
+                 description="Generate text with the SPEL target and a speculative draft.")
+    ap.add_argument("--prompt", help=f"prompt text (default: {DEFAULT_PROMPT!r})")
+    ap.add_argument("--prompt-file", help="read the prompt from this file ('-' = stdin)")
+    ap.add_argument("--max-tokens", type=int, default=DEFAULT_MAX_TOKENS)
+    ap.add_argument("--mode", default="spec", help=MODE_HELP + " (default spec)")
+    ap.add_argument("--spec-k", type=int, default=None,
+                    help="draft proposals per round, 1..16 (default SPEL_SPEC_K or 4)")
+    ap.add_argument("--draft", default=None, choices=("c", "mlx", "ngram", "auto", "target"),
+                    help="draft engine (default c: the ternary C draft; mlx when it is not built)")
+    ap.add_argument("--draft-threads", type=int, default=None,
+                    help="C draft worker threads 1..6 (default SPEL_DRAFT_THREADS or 1)")
+    ap.add_argument("--temperature", type=float, default=DEFAULT_TEMPERATURE,
+                    help=f"0 = exact greedy (default {DEFAULT_TEMPERATURE})")
+    ap.add_argument("--top-p", type=float, default=DEFAULT_TOP_P)
+    ap.add_argument("--top-k", type=int, default=0, help="0 = off")
+    ap.add_argument("--repetition-penalty", type=float, default=None,
+                    help=f"1 = off; applied identically to draft and target (default "
+                         f"{DEFAULT_REPETITION_PENALTY} when sampling, 1 with --temperature 0)")
+    ap.add_argument("--seed", type=int, default=None, help="sampling seed (runs are reproducible)")
+    ap.add_argument("--checkpoint", help="SPELW001 file or safetensors model folder "
+                                         "(default SPEL_WEIGHTS, else the shipped model)")
+    ap.add_argument("--tokenizer", help="SentencePiece model (default: beside the checkpoint, "
+                                        "else the shipped one; vocab 128 uses ASCII bytes)")
+    ap.add_argument("--config", help="config overrides k=v,...; must agree with the checkpoint")
+    ap.add_argument("--strict", action="store_true", help="strict (bit-exact) verification path")
+    ap.add_argument("--governor-resume", type=int, default=0, metavar="N",
+                    help="governed mode: re-probe drafting after N AR tokens (0 = never)")
+    ap.add_argument("--stats", action="store_true", help="one JSON line of statistics on stderr")
+    ap.add_argument("--no-stream", action="store_true", help="print the text only at the end")
+    return ap
+
+
+def parse_mode(s: str):
+    """'forced=0.75' -> ('forced', 0.75); others -> (mode, None)."""
+    from .speculative import MODES
+    s = s.strip()
+    if s.startswith("forced"):
+        _, eq, val = s.partition("=")
+        try:
+            alpha = float(val) if eq else float("nan")
+        except ValueError:
+            alpha = float("nan")
+        if not (0.0 <= alpha <= 1.0):
+            raise UsageError(f"--mode {s!r}: forced needs an acceptance in [0, 1], e.g. forced=0.75")
+        return "forced", alpha
+    if s not in MODES:
+        raise UsageError(f"--mode {s!r}: expected {MODE_HELP}")
+    return s, None
+
+
+def read_prompt(args) -> str:
+    if args.prompt is not None and args.prompt_file is not None:
+        raise UsageError("give --prompt or --prompt-file, not both")
+    if args.prompt_file is not None:
+        try:
+            if args.prompt_file == "-":
+                return sys.stdin.read()
+            with open(args.prompt_file, encoding="utf-8") as f:
+                return f.read()
+        except (OSError, UnicodeDecodeError) as e:
+            raise UsageError(f"--prompt-file {args.prompt_file}: {getattr(e, 'strerror', None) or e}") from None
+    return DEFAULT_PROMPT if args.prompt is None else args.prompt
+
+
+def find_tokenizer_path(args, ckpt_path: str):
+    if args.tokenizer:
+        return args.tokenizer
+    folder = ckpt_path if os.path.isdir(ckpt_path) else os.path.dirname(os.path.abspath(ckpt_path))
+    beside = os.path.join(folder, "tokenizer.model")
+    return beside if os.path.isfile(beside) else None
+
+
+class TextStream:
+    """Incremental detokenization: prints only text that later tokens cannot
+    change (held back while it ends in an incomplete UTF-8 sequence)."""
+
+    def __init__(self, tokenizer, context, out, enabled: bool):
+        self.tok, self.out, self.enabled = tokenizer, out, enabled
+        self.context = list(context[-8:])  # a little prompt so a leading space survives decoding
+        self.base = tokenizer.decode(self.context)
+        self.tokens: list = []
+        self.printed = ""
+
+    def text(self) -> str:
+        full = self.tok.decode(self.context + self.tokens)
+        return full[len(self.base):] if full.startswith(self.base) else self.tok.decode(self.tokens)
+
+    def push(self, tokens):
+        self.tokens.extend(tokens)
+        if not self.enabled:
+            return
+        t = self.text().rstrip("\ufffd")
+        if t.startswith(self.printed) and len(t) > len(self.printed):
+            self.out.write(t[len(self.printed):])
+            self.out.flush()
+            self.printed = t
+
+    def finish(self):
+        t = self.text()
+        if self.enabled:
+            if t.startswith(self.printed):
+                self.out.write(t[len(self.printed):])
+        else:
+            self.out.write(t)
+        self.out.write("\n")
+        self.out.flush()
+
+
+def _load(args):
+    """Checkpoint, config, tokenizer, model -- every failure as a one-line error."""
+    from .checkpoint import default_checkpoint_dir, load_checkpoint
+    from .config import ConfigError, resolve_config
+    from .spelw import CheckpointError
+    from .tokenizer import TokenizerError, load_tokenizer
+
+    path = args.checkpoint or os.environ.get("SPEL_WEIGHTS", "").strip() or None
+    if path is None:
+        try:
+            path = str(default_checkpoint_dir())
+        except CheckpointError as e:
+            raise NoCheckpoint(str(e)) from None
+    try:
+        ck = load_checkpoint(path)
+    except CheckpointError as e:
+        raise UsageError(f"checkpoint: {e}") from None
+    except (OSError, ValueError) as e:
+        raise UsageError(f"checkpoint {path}: {e}") from None
+    overrides = {}
+    if args.spec_k is not None:
+        overrides["spec_k"] = args.spec_k
+    try:
+        cfg = resolve_config(checkpoint=ck.cfg, overrides=args.config)
+        if overrides:
+            cfg = resolve_config(checkpoint=cfg, overrides=overrides, use_env=False)
+    except ConfigError as e:
+        raise UsageError(f"config: {e}") from None
+    try:
+        tok = load_tokenizer(cfg.vocab, find_tokenizer_path(args, ck.source))
+    except TokenizerError as e:
+        raise UsageError(f"tokenizer: {e}") from None
+    if getattr(tok, "vocab_size", cfg.vocab) != cfg.vocab:
+        raise UsageError(f"tokenizer: {tok.name} has {tok.vocab_size} symbols but the checkpoint's "
+                         f"vocab is {cfg.vocab}")
+    from .model import SpelModel
+    model = SpelModel.from_weights(cfg, ck.weights)
+    return ck, cfg, tok, model
+
+
+def run(argv=None, stdout=None, stderr=None) -> int:
+    stdout = stdout or sys.stdout
+    stderr = stderr or sys.stderr
+    try:
+        args = build_parser().parse_args(argv)
+        mode, forced_alpha = parse_mode(args.mode)
+        if args.spec_k is not None and not (1 <= args.spec_k <= 16):
+            raise UsageError(f"--spec-k {args.spec_k}: must be in 1..16")
+        if args.draft_threads is not None and not (1 <= args.draft_threads <= 6):
+            raise UsageError(f"--draft-threads {args.draft_threads}: must be in 1..6")
+        if args.max_tokens < 0:
+            raise UsageError(f"--max-tokens {args.max_tokens}: must be >= 0")
+        if args.governor_resume < 0:
+            raise UsageError(f"--governor-resume {args.governor_resume}: must be >= 0")
+        from . import sampling as smp
+        penalty = args.repetition_penalty
+        if penalty is None:  # --temperature 0 alone means exact greedy
+            penalty = 1.0 if args.temperature == 0 else DEFAULT_REPETITION_PENALTY
+        params = smp.SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+                                    repetition_penalty=penalty, seed=args.seed)
+        try:
+            params.validate()
+        except smp.SamplingError as e:
+            raise UsageError(str(e)) from None
+        text = read_prompt(args)
+        ck, cfg, tok, model = _load(args)
+        prompt = tok.encode(text)
+        if not prompt:
+            raise UsageError("the prompt is empty: give at least one character")
+        if len(prompt) > cfg.max_seq:
+            raise UsageError(f"the prompt is {len(prompt)} tokens, longer than max_seq={cfg.max_seq}")
+        if max(prompt) >= cfg.vocab:
+            raise UsageError(f"tokenizer {tok.name} produced token {max(prompt)} outside the "
+                             f"checkpoint's vocab of {cfg.vocab}")
+
+        from . import speculative as sp
+        K = cfg.spec_k
+        draft_kind = args.draft
+        draft = None
+        if mode == "oracle":
+            if draft_kind not in (None, "target"):
+                raise UsageError(f"--mode oracle drafts with the full target; --draft {draft_kind} conflicts")
+            draft_kind = "target"
+        if mode != "ar":
+            if draft_kind is None:
+                draft_kind = "c" if _c_draft_available() else "mlx"
+            try:
+                draft = sp.make_draft(draft_kind, model, ck.weights, k=K, threads=args.draft_threads,
+                                      strict=args.strict,
+                                      auto_fallback="c" if _c_draft_available() else "mlx")
+            except ImportError as e:
+                raise UsageError(f"--draft {draft_kind}: the C draft module is not available ({e}); "
+                                 f"reinstall with `pip install -e .` or use --draft mlx") from None
+            except ValueError as e:
+                raise UsageError(f"--draft {draft_kind}: {e}") from None
+        gov = sp.GovernorConfig(resume_after=args.governor_resume)
+        dec = sp.SpeculativeDecoder(model, draft, mode, k=K, strict=args.strict, params=params,
+                                    governor=gov, forced_alpha=forced_alpha)
+    except NoCheckpoint as e:
+        print(f"error: {e}", file=stderr)
+        return 1
+    except UsageError as e:
+        print(f"error: {e}", file=stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("interrupted", file=stderr)
+        return 130
+
+    stream = TextStream(tok, prompt, stdout, enabled=not args.no_stream)
+    code = 0
+    t0 = time.perf_counter()
+    try:
+        dec.generate(prompt, args.max_tokens, on_tokens=stream.push, calibrate=args.stats)
+    except KeyboardInterrupt:
+        code = 130
+    except sp.DecodeError as e:
+        print(f"error: {e}", file=stderr)
+        return 2
+    finally:
+        wall = time.perf_counter() - t0
+    try:
+        stream.finish()
+    except BrokenPipeError:
+        pass
+    if args.stats:
+        d = dec.stats.to_dict()
+        d.update({"wall_s": round(wall, 6), "checkpoint": ck.source, "tokenizer": tok.name,
+                  "vocab": cfg.vocab, "temperature": params.temperature, "top_p": params.top_p,
+                  "top_k": params.top_k, "repetition_penalty": params.repetition_penalty,
+                  "seed": params.seed,
+                  "draft_threads": getattr(getattr(draft, "d", None), "threads", None)})
+        if forced_alpha is not None:
+            d["forced_alpha"] = forced_alpha
+        print(json.dumps(d), file=stderr, flush=True)
+    dec.close()
+    return code
+
+
+def _c_draft_available() -> bool:
+    try:
+        from . import draft as cdraft
+        cdraft._lib()
+        return True
+    except Exception:
+        return False
+
+
+def main(argv=None) -> int:
+    try:
+        return run(argv)
+    except KeyboardInterrupt:  # before the decoder existed (e.g. while loading)
+        print("interrupted", file=sys.stderr)
+        return 130
+    except BrokenPipeError:
+        return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

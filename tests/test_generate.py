@@ -1,0 +1,206 @@
+"""`python -m spel_mlx.generate`: output, statistics, bad input, Ctrl-C.
+
+A tiny random checkpoint is written to tmp.  Most cases call `generate.run`
+in-process (fast); a few run the real CLI in a subprocess to prove there is no
+traceback and that SIGINT stops cleanly with statistics.
+"""
+import io
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+import spel_mlx  # noqa: F401
+from spel_mlx import generate as gen
+
+TINY = "d_model=32,n_layers=4,n_heads=2,head_dim=16,d_ff=64,vocab=128,max_seq=96,draft_map=0:3"
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    from spel_mlx.config import resolve_config
+    from spel_mlx.model import init_weights
+    from spel_mlx.spelw import write_spelw
+    d = tmp_path_factory.mktemp("gen")
+    cfg = resolve_config(overrides=TINY, use_env=False)
+    w = init_weights(cfg, seed=5)
+    for j, src in enumerate(cfg.draft_map):  # draft = copies of its target layers
+        for name in list(w):
+            if name.startswith(f"layers.{src}."):
+                w["draft." + name.replace(f"layers.{src}.", f"layers.{j}.", 1)] = w[name].copy()
+    path = d / "tiny.spelw"
+    write_spelw(str(path), cfg, w)
+    return path
+
+
+def run(*argv):
+    out, err = io.StringIO(), io.StringIO()
+    code = gen.run([str(a) for a in argv], stdout=out, stderr=err)
+    return code, out.getvalue(), err.getvalue()
+
+
+def stats_of(err: str) -> dict:
+    lines = [ln for ln in err.splitlines() if ln.startswith("{")]
+    assert len(lines) == 1, err
+    return json.loads(lines[0])
+
+
+def test_greedy_modes_agree_end_to_end(ckpt):
+    base = ["--checkpoint", ckpt, "--prompt", "the cat sat on the mat. the cat", "--max-tokens", 30,
+            "--temperature", 0, "--stats"]
+    code, ref, err = run(*base, "--mode", "ar")
+    assert code == 0, err
+    assert stats_of(err)["tokens"] == 30
+    for extra in (["--mode", "spec", "--draft", "mlx"], ["--mode", "governed", "--draft", "ngram"],
+                  ["--mode", "spec", "--draft", "auto", "--spec-k", "8"],
+                  ["--mode", "spec", "--draft", "mlx", "--strict", "--spec-k", "16"],
+                  ["--mode", "oracle", "--no-stream"]):
+        code, out, err = run(*base, *extra)
+        assert code == 0, (extra, err)
+        assert out == ref, extra
+        st = stats_of(err)
+        assert st["tokens"] == 30 and st["stop_reason"] == "max_tokens"
+        for key in ("alpha", "tokens_per_round", "governor_trips", "ar_rounds", "c", "v", "tok_s",
+                    "draft_s", "verify_s"):
+            assert key in st
+
+
+def test_c_draft_default_when_built(ckpt):
+    code, out, err = run("--checkpoint", ckpt, "--max-tokens", 12, "--temperature", 0, "--stats",
+                         "--draft-threads", 2)
+    assert code == 0, err
+    st = stats_of(err)
+    assert st["draft"] in ("c", "mlx") and st["tokens"] == 12
+    if st["draft"] == "c":
+        assert st["draft_threads"] == 2
+
+
+def test_sampling_seeded_reproducible(ckpt):
+    argv = ["--checkpoint", ckpt, "--max-tokens", 25, "--temperature", 0.9, "--top-k", 40,
+            "--top-p", 0.9, "--repetition-penalty", 1.2, "--draft", "mlx"]
+    a = run(*argv, "--seed", 3)
+    b = run(*argv, "--seed", 3)
+    assert a[0] == 0 and a[1] == b[1]
+
+
+def test_safetensors_folder_checkpoint(ckpt, tmp_path):
+    from spel_mlx.converters.spelw_safetensors import spelw_to_safetensors
+    folder = tmp_path / "st"
+    spelw_to_safetensors(str(ckpt), str(folder))
+    a = run("--checkpoint", ckpt, "--max-tokens", 10, "--temperature", 0, "--mode", "ar")
+    b = run("--checkpoint", folder, "--max-tokens", 10, "--temperature", 0, "--draft", "mlx")
+    assert a[0] == b[0] == 0 and a[1] == b[1]
+
+
+def test_runs_into_max_seq(ckpt):
+    code, out, err = run("--checkpoint", ckpt, "--prompt", "x" * 90, "--max-tokens", 50,
+                         "--temperature", 0, "--stats", "--draft", "mlx", "--spec-k", 16)
+    assert code == 0, err
+    st = stats_of(err)
+    assert st["stop_reason"] == "max_seq" and st["tokens"] == 96 - 90 + 1
+
+
+@pytest.mark.parametrize("argv,needle", [
+    (["--bogus"], "unrecognized arguments"),
+    (["--mode", "fast"], "--mode 'fast'"),
+    (["--mode", "forced=1.5"], "forced needs"),
+    (["--spec-k", "0"], "--spec-k 0"),
+    (["--spec-k", "17"], "--spec-k 17"),
+    (["--draft", "gpu"], "invalid choice"),
+    (["--draft-threads", "9"], "--draft-threads 9"),
+    (["--max-tokens", "abc"], "invalid int"),
+    (["--temperature", "-1"], "temperature"),
+    (["--top-p", "2"], "top_p"),
+    (["--prompt", "y" * 97], "longer than max_seq=96"),
+    (["--prompt", ""], "empty"),
+    (["--config", "d_model=64"], "contradicts the checkpoint"),
+    (["--config", "colour=red"], "unknown config key"),
+    (["--prompt-file", "/nonexistent/p.txt"], "--prompt-file"),
+    (["--mode", "oracle", "--draft", "ngram"], "conflicts"),
+])
+def test_bad_input_one_line_exit_2(ckpt, argv, needle):
+    code, out, err = run("--checkpoint", ckpt, *argv)
+    assert code == 2
+    assert err.count("\n") == 1 and err.startswith("error: ") and needle in err, err
+
+
+def test_bad_checkpoints(tmp_path, ckpt):
+    missing = tmp_path / "nope.spelw"
+    garbage = tmp_path / "garbage.spelw"
+    garbage.write_bytes(b"NOTSPEL!" + bytes(100))
+    truncated = tmp_path / "trunc.spelw"
+    truncated.write_bytes(ckpt.read_bytes()[:5000])
+    for path, needle in ((missing, "no such file"), (garbage, "garbage.spelw"), (truncated, "trunc.spelw")):
+        code, out, err = run("--checkpoint", path)
+        assert code == 2 and err.count("\n") == 1 and needle in err, err
+
+
+def test_tokenizer_vocab_mismatch(ckpt, tmp_path):
+    from spel_mlx.tokenizer import DEFAULT_SP_MODEL
+    if not os.path.isfile(DEFAULT_SP_MODEL):
+        pytest.skip("no SentencePiece model shipped yet")
+    code, out, err = run("--checkpoint", ckpt, "--tokenizer", DEFAULT_SP_MODEL)
+    assert code == 2 and "vocab" in err and err.count("\n") == 1, err
+    bad = tmp_path / "bad.model"
+    bad.write_bytes(b"not a model")
+    code, out, err = run("--checkpoint", ckpt, "--tokenizer", bad)
+    assert code == 2 and err.count("\n") == 1, err
+
+
+def test_no_installed_checkpoint_message(monkeypatch, tmp_path):
+    from spel_mlx import checkpoint
+    monkeypatch.setattr(checkpoint, "DEFAULT_DIR", tmp_path / "default")
+    monkeypatch.delenv("SPEL_WEIGHTS", raising=False)
+    code, out, err = run()
+    assert code == 1
+    assert err.count("\n") == 1 and "no trained checkpoint is installed" in err
+    assert "python -m spel_mlx" in err  # says how to make one
+
+
+def _cli(*argv, **kw):
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    env.pop("SPEL_WEIGHTS", None)
+    return subprocess.run([sys.executable, "-m", "spel_mlx.generate", *map(str, argv)],
+                          capture_output=True, text=True, env=env, timeout=120, **kw)
+
+
+def test_cli_subprocess_ok_and_errors_without_traceback(ckpt, tmp_path):
+    r = _cli("--checkpoint", ckpt, "--max-tokens", 8, "--temperature", 0, "--stats")
+    assert r.returncode == 0, r.stderr
+    assert stats_of(r.stderr)["tokens"] == 8
+    r = _cli("--checkpoint", tmp_path / "missing.spelw")
+    assert r.returncode == 2 and "Traceback" not in r.stderr and r.stderr.count("\n") == 1
+    r = _cli("--checkpoint", ckpt, "--spec-k", 99)
+    assert r.returncode == 2 and "Traceback" not in r.stderr and r.stderr.count("\n") == 1
+
+
+def test_ctrl_c_stops_cleanly_with_stats(tmp_path):
+    from spel_mlx.config import resolve_config
+    from spel_mlx.model import init_weights
+    from spel_mlx.spelw import write_spelw
+    cfg = resolve_config(overrides=TINY.replace("max_seq=96", "max_seq=4096"), use_env=False)
+    path = tmp_path / "long.spelw"
+    write_spelw(str(path), cfg, init_weights(cfg, seed=1))
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    p = subprocess.Popen([sys.executable, "-m", "spel_mlx.generate", "--checkpoint", str(path),
+                          "--max-tokens", "4000", "--mode", "ar", "--strict", "--stats"],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
+    try:
+        first = p.stdout.read(1)  # streaming: text arrives before the end
+        assert first
+        time.sleep(0.3)
+        p.send_signal(signal.SIGINT)
+        out, err = p.communicate(timeout=60)
+    finally:
+        if p.poll() is None:
+            p.kill()
+    err = err.decode()
+    assert p.returncode == 130, err
+    assert "Traceback" not in err
+    st = stats_of(err)
+    assert st["stop_reason"] == "interrupted" and 0 < st["tokens"] < 4000
