@@ -369,11 +369,12 @@ def _stack_capture(capture: dict, gdn_layers: list):
     return q, k
 
 
-def run_captured(model, state, tokens, strict: bool = False, on_piece=None):
+def run_captured(model, state, tokens, strict: bool = False, on_piece=None, keep: bool = True):
     """Feed ``tokens`` through the target in pieces of at most the ring size, with
     activation capture, committing each piece. Returns ``(q, k, last_logits)``:
-    q, k numpy ``[T, C, hd]`` over the GDN channels, last logits numpy ``[V]``
-    (None for no tokens). ``on_piece(start, q, k)`` sees each piece as it arrives."""
+    q, k numpy ``[T, C, hd]`` over the GDN channels (empty when ``keep`` is False),
+    last logits numpy ``[V]`` (None for no tokens). ``on_piece(start, q, k)`` sees each
+    piece as it arrives."""
     import mlx.core as mx
     tokens = [int(t) for t in tokens]
     C, hd = gdn_channel_count(model.cfg), model.cfg.head_dim
@@ -387,8 +388,9 @@ def run_captured(model, state, tokens, strict: bool = False, on_piece=None):
         q, k = _stack_capture(cap, gdn)
         if on_piece is not None:
             on_piece(i, q, k)
-        qs.append(q)
-        ks.append(k)
+        if keep:
+            qs.append(q)
+            ks.append(k)
         logits = out
     if logits is not None:
         mx.eval(logits)
@@ -483,30 +485,31 @@ class NoteBank:
             raise NoteBankError(f"state is at position {state.pos} but the bank has {base} tokens: "
                                 "write into the state the bank was written from")
         chunk = self.cfg.chunk
-        pend_k: list = []
-        chunk_start = [base]
+        pend_k: list = []            # keys of the chunk being filled
+        at = [base]                  # absolute position of the next captured key
         n_before = len(self.notes)
         w0 = self.writer.seconds
-
-        def flush():
-            k = np.concatenate(pend_k)
-            self.writer.write_chunk(k, chunk_start[0], chunk_start[0] // chunk)
-            chunk_start[0] += k.shape[0]
-            pend_k.clear()
 
         def on_piece(start, q, k):
             if self.keep_keys:
                 self.keys.append(k)
-            # split each piece at chunk boundaries, write each chunk once it is complete
+            # split each ring-sized piece at chunk boundaries; write a chunk once complete
             while k.shape[0]:
-                room = chunk - (chunk_start[0] + sum(a.shape[0] for a in pend_k)) % chunk
+                room = chunk - at[0] % chunk
                 pend_k.append(k[:room])
+                at[0] += min(room, k.shape[0])
                 k = k[room:]
-                if (chunk_start[0] + sum(a.shape[0] for a in pend_k)) % chunk == 0:
+                if at[0] % chunk == 0:
                     flush()
 
+        def flush():
+            keys = np.concatenate(pend_k)
+            start = at[0] - keys.shape[0]
+            self.writer.write_chunk(keys, start, start // chunk)
+            pend_k.clear()
+
         t0 = time.perf_counter()
-        run_captured(self.model, state, tokens, strict=self.strict, on_piece=on_piece)
+        run_captured(self.model, state, tokens, strict=self.strict, on_piece=on_piece, keep=False)
         if pend_k:
             flush()
         total = time.perf_counter() - t0

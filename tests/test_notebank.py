@@ -372,3 +372,22 @@ def test_demo_cli_toy_and_errors(tmp_path, capsys):
     assert rc == 2 and "error" in err and "Traceback" not in err
     rc = nb.main(["demo", "--toy", "--chunk", "0"])
     assert rc == 2 and "chunk" in capsys.readouterr().err
+
+
+@needs_model
+def test_incremental_writes_use_absolute_positions(toy):
+    model, _, tokens, _, _, _ = toy
+    cfg = nb.NoteBankConfig(chunk=32, span=8)
+    whole = nb.NoteBank(model, cfg, strict=True)          # strict: piece grouping cannot matter
+    whole.write(model.new_state("target"), tokens[:96])
+    parts = nb.NoteBank(model, cfg, strict=True)
+    st = model.new_state("target")
+    parts.write(st, tokens[:64])                         # chunk-aligned split: same notes
+    parts.write(st, tokens[64:96])
+    assert st.pos == 96 and parts.tokens == tokens[:96]
+    assert [(n.start, n.end, n.chunk) for n in parts.notes] == \
+           [(n.start, n.end, n.chunk) for n in whole.notes]
+    assert all(np.array_equal(a.coords, b.coords) for a, b in zip(parts.notes, whole.notes))
+    with pytest.raises(nb.NoteBankError, match="uncommitted"):
+        model.forward([1], st)
+        parts.write(st, [2])
