@@ -71,14 +71,19 @@ AVX2_FN static inline int32_t hsum256_epi32(__m256i v) {
     return _mm_cvtsi128_si32(s);
 }
 
-/* Two rows at a time share the activation loads. Per 32 packed bytes (128 weights) and
- * row: 4 masks/shifts, 4 shuffles, 4 vpmaddubsw, int16 adds; flushed to int32 every 8
- * pairs (each int16 lane grows by at most 4*508 per pair: 8*2032 < 32767). */
+/* Decode without per-code masks: shuffle_epi8 looks only at the low 4 bits (bit 7 clear),
+ * so a nibble holding two codes indexes a 16-entry table that returns (w+1) of its low
+ * code (LUT_LO) or of its high code (LUT_HI).  Code -> w+1: 0->1, 1->2, 2->1, 3->0. */
+#define SPEL_U(c) ((c) == 1 ? 2 : (c) == 3 ? 0 : 1)
+#define SPEL_LUT_LO(i) SPEL_U((i) & 3)
+#define SPEL_LUT_HI(i) SPEL_U((i) >> 2)
+#define SPEL_LUT16(F) F(0), F(1), F(2), F(3), F(4), F(5), F(6), F(7), F(8), F(9), F(10), F(11), F(12), F(13), F(14), F(15)
+
 AVX2_FN static inline void tern_pair_avx2(const uint8_t *pa, const uint8_t *pb, int64_t row_bytes,
                                           const spel_act *a, int32_t *out_a, int32_t *out_b) {
-    const __m256i lut = _mm256_setr_epi8(1, 2, 1, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0,
-                                         1, 2, 1, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0);
-    const __m256i m3 = _mm256_set1_epi8(3);
+    const __m256i lut_lo = _mm256_setr_epi8(SPEL_LUT16(SPEL_LUT_LO), SPEL_LUT16(SPEL_LUT_LO));
+    const __m256i lut_hi = _mm256_setr_epi8(SPEL_LUT16(SPEL_LUT_HI), SPEL_LUT16(SPEL_LUT_HI));
+    const __m256i m4 = _mm256_set1_epi8(0x0F);
     const __m256i ones16 = _mm256_set1_epi16(1);
     const int64_t npairs = row_bytes / 32;
     const int8_t *xp = a->xperm;
@@ -94,18 +99,16 @@ AVX2_FN static inline void tern_pair_avx2(const uint8_t *pa, const uint8_t *pb, 
             __m256i x3 = _mm256_loadu_si256((const __m256i *)(xb + 96));
             __m256i va = _mm256_loadu_si256((const __m256i *)(pa + p * 32));
             __m256i vb = _mm256_loadu_si256((const __m256i *)(pb + p * 32));
-            __m256i ua0 = _mm256_shuffle_epi8(lut, _mm256_and_si256(va, m3));
-            __m256i ua1 = _mm256_shuffle_epi8(lut, _mm256_and_si256(_mm256_srli_epi16(va, 2), m3));
-            __m256i ua2 = _mm256_shuffle_epi8(lut, _mm256_and_si256(_mm256_srli_epi16(va, 4), m3));
-            __m256i ua3 = _mm256_shuffle_epi8(lut, _mm256_and_si256(_mm256_srli_epi16(va, 6), m3));
-            __m256i ub0 = _mm256_shuffle_epi8(lut, _mm256_and_si256(vb, m3));
-            __m256i ub1 = _mm256_shuffle_epi8(lut, _mm256_and_si256(_mm256_srli_epi16(vb, 2), m3));
-            __m256i ub2 = _mm256_shuffle_epi8(lut, _mm256_and_si256(_mm256_srli_epi16(vb, 4), m3));
-            __m256i ub3 = _mm256_shuffle_epi8(lut, _mm256_and_si256(_mm256_srli_epi16(vb, 6), m3));
-            __m256i sa = _mm256_add_epi16(_mm256_maddubs_epi16(ua0, x0), _mm256_maddubs_epi16(ua1, x1));
-            __m256i ta = _mm256_add_epi16(_mm256_maddubs_epi16(ua2, x2), _mm256_maddubs_epi16(ua3, x3));
-            __m256i sb = _mm256_add_epi16(_mm256_maddubs_epi16(ub0, x0), _mm256_maddubs_epi16(ub1, x1));
-            __m256i tb = _mm256_add_epi16(_mm256_maddubs_epi16(ub2, x2), _mm256_maddubs_epi16(ub3, x3));
+            __m256i la = _mm256_and_si256(va, m4), ha = _mm256_and_si256(_mm256_srli_epi16(va, 4), m4);
+            __m256i lb = _mm256_and_si256(vb, m4), hb = _mm256_and_si256(_mm256_srli_epi16(vb, 4), m4);
+            __m256i sa = _mm256_add_epi16(_mm256_maddubs_epi16(_mm256_shuffle_epi8(lut_lo, la), x0),
+                                          _mm256_maddubs_epi16(_mm256_shuffle_epi8(lut_hi, la), x1));
+            __m256i ta = _mm256_add_epi16(_mm256_maddubs_epi16(_mm256_shuffle_epi8(lut_lo, ha), x2),
+                                          _mm256_maddubs_epi16(_mm256_shuffle_epi8(lut_hi, ha), x3));
+            __m256i sb = _mm256_add_epi16(_mm256_maddubs_epi16(_mm256_shuffle_epi8(lut_lo, lb), x0),
+                                          _mm256_maddubs_epi16(_mm256_shuffle_epi8(lut_hi, lb), x1));
+            __m256i tb = _mm256_add_epi16(_mm256_maddubs_epi16(_mm256_shuffle_epi8(lut_lo, hb), x2),
+                                          _mm256_maddubs_epi16(_mm256_shuffle_epi8(lut_hi, hb), x3));
             acca = _mm256_add_epi16(acca, _mm256_add_epi16(sa, ta));
             accb = _mm256_add_epi16(accb, _mm256_add_epi16(sb, tb));
         }
@@ -114,17 +117,19 @@ AVX2_FN static inline void tern_pair_avx2(const uint8_t *pa, const uint8_t *pb, 
     }
     int32_t da = hsum256_epi32(acc32a), db = hsum256_epi32(acc32b);
     if ((row_bytes / 16) & 1) {   /* odd last 64-weight block: the same steps at 128 bits */
-        const __m128i lut128 = _mm256_castsi256_si128(lut), m3s = _mm_set1_epi8(3);
+        const __m128i llo = _mm256_castsi256_si128(lut_lo), lhi = _mm256_castsi256_si128(lut_hi);
+        const __m128i m4s = _mm_set1_epi8(0x0F);
         const int8_t *xb = xp + npairs * 128;
         __m128i x0 = _mm_loadu_si128((const __m128i *)xb), x1 = _mm_loadu_si128((const __m128i *)(xb + 16));
         __m128i x2 = _mm_loadu_si128((const __m128i *)(xb + 32)), x3 = _mm_loadu_si128((const __m128i *)(xb + 48));
         for (int h = 0; h < 2; h++) {
             __m128i v = _mm_loadu_si128((const __m128i *)((h ? pb : pa) + npairs * 32));
+            __m128i lo = _mm_and_si128(v, m4s), hi = _mm_and_si128(_mm_srli_epi16(v, 4), m4s);
             __m128i s = _mm_add_epi16(
-                _mm_add_epi16(_mm_maddubs_epi16(_mm_shuffle_epi8(lut128, _mm_and_si128(v, m3s)), x0),
-                              _mm_maddubs_epi16(_mm_shuffle_epi8(lut128, _mm_and_si128(_mm_srli_epi16(v, 2), m3s)), x1)),
-                _mm_add_epi16(_mm_maddubs_epi16(_mm_shuffle_epi8(lut128, _mm_and_si128(_mm_srli_epi16(v, 4), m3s)), x2),
-                              _mm_maddubs_epi16(_mm_shuffle_epi8(lut128, _mm_and_si128(_mm_srli_epi16(v, 6), m3s)), x3)));
+                _mm_add_epi16(_mm_maddubs_epi16(_mm_shuffle_epi8(llo, lo), x0),
+                              _mm_maddubs_epi16(_mm_shuffle_epi8(lhi, lo), x1)),
+                _mm_add_epi16(_mm_maddubs_epi16(_mm_shuffle_epi8(llo, hi), x2),
+                              _mm_maddubs_epi16(_mm_shuffle_epi8(lhi, hi), x3)));
             __m128i s32 = _mm_madd_epi16(s, _mm_set1_epi16(1));
             s32 = _mm_add_epi32(s32, _mm_shuffle_epi32(s32, 0x4E));
             s32 = _mm_add_epi32(s32, _mm_shuffle_epi32(s32, 0xB1));
@@ -136,7 +141,7 @@ AVX2_FN static inline void tern_pair_avx2(const uint8_t *pa, const uint8_t *pb, 
 }
 
 /* Two rows at a time share the activation loads. Per 32 packed bytes (128 weights) and
- * row: 4 masks/shifts, 4 shuffles, 4 vpmaddubsw, int16 adds; flushed to int32 every 8
+ * row: 2 masks + 1 shift, 4 shuffles, 4 vpmaddubsw, int16 adds; flushed to int32 every 8
  * pairs (each int16 lane grows by at most 4*508 per pair: 8*2032 < 32767). */
 AVX2_FN static void tern_rows_avx2(const uint8_t *packed, int64_t row_bytes, int64_t r0, int64_t r1,
                                    const spel_act *a, int32_t *out) {
