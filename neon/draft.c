@@ -158,7 +158,8 @@ struct spel_draft {
     dlayer *L;
     float *emb, *fnorm, *head;
     spel_qmat head_q;
-    float *inv_freq;   /* not used for the angle itself: see rope() */
+    double *inv_freq;  /* theta^(-2i/hd), i < hd/2 */
+    float *rope_cs;    /* cos and sin of the current position's angles */
     float *x, *xn, *h, *u, *qkv, *o, *mix, *g1, *g3, *scores;
     spel_act act;
     char err[256];
@@ -206,10 +207,15 @@ spel_draft *spel_draft_new(const spel_draft_config *cfg, const int *kinds) {
     d->g1 = alloc64(4 * (size_t)ff);
     d->g3 = alloc64(4 * (size_t)ff);
     d->scores = alloc64(4 * (size_t)cfg->max_seq);
+    d->inv_freq = alloc64(sizeof(double) * (size_t)(cfg->head_dim / 2 + 1));
+    d->rope_cs = alloc64(4 * (size_t)cfg->head_dim);
+    if (d->inv_freq)
+        for (int i = 0; i < cfg->head_dim / 2; i++)
+            d->inv_freq[i] = pow((double)cfg->rope_theta, -2.0 * i / cfg->head_dim);
     d->act.xq = alloc64((size_t)spel_pad_cols(wmax));
     d->act.xperm = alloc64((size_t)spel_pad_cols(wmax));
     if (!d->pool || !d->L || !d->x || !d->xn || !d->h || !d->u || !d->qkv || !d->o || !d->mix || !d->g1 ||
-        !d->g3 || !d->scores || !d->act.xq || !d->act.xperm) {
+        !d->g3 || !d->scores || !d->inv_freq || !d->rope_cs || !d->act.xq || !d->act.xperm) {
         snprintf(d->err, sizeof d->err, "out of memory creating the draft (or its %d-thread pool)", cfg->threads);
         return d;
     }
@@ -301,7 +307,7 @@ void spel_draft_free(spel_draft *d) {
     free(d->emb); free(d->fnorm); free(d->head);
     spel_qmat_release(&d->head_q);
     free(d->x); free(d->xn); free(d->h); free(d->u); free(d->qkv); free(d->o); free(d->mix);
-    free(d->g1); free(d->g3); free(d->scores); free(d->act.xq); free(d->act.xperm);
+    free(d->g1); free(d->g3); free(d->scores); free(d->inv_freq); free(d->rope_cs); free(d->act.xq); free(d->act.xperm);
     free(d);
 }
 
@@ -342,13 +348,12 @@ static void qlinear(spel_draft *d, const float *x, int64_t n, const spel_qmat *m
     spel_qgemv(d->pool, d->kernel, m0, y0, m1, y1, &d->act);
 }
 
-static void rope(float *v, int hd, int64_t pos, float theta) {
+/* Rotate pairs (2i, 2i+1) by the angles whose cos/sin the caller computed once per position. */
+static void rope(float *v, int hd, const float *cs, const float *sn) {
     for (int i = 0; i < hd / 2; i++) {
-        double ang = (double)pos * pow((double)theta, -2.0 * i / hd);
-        float cs = (float)cos(ang), sn = (float)sin(ang);
         float a = v[2 * i], b = v[2 * i + 1];
-        v[2 * i] = a * cs - b * sn;
-        v[2 * i + 1] = a * sn + b * cs;
+        v[2 * i] = a * cs[i] - b * sn[i];
+        v[2 * i + 1] = a * sn[i] + b * cs[i];
     }
 }
 
@@ -387,12 +392,18 @@ static void attn_mixer(spel_draft *d, dlayer *L, int64_t p) {
     int dm = c->d_model, H = c->n_heads, hd = c->head_dim, inner = H * hd;
     qlinear(d, d->xn, dm, &L->wqkv, d->qkv, NULL, NULL);
     float *kslot = L->kcache + (size_t)p * inner, *vslot = L->vcache + (size_t)p * inner;
+    float *cs = d->rope_cs, *sn = d->rope_cs + hd / 2;
+    for (int i = 0; i < hd / 2; i++) {   /* angle pos * theta^(-2i/hd), in double */
+        double ang = (double)p * d->inv_freq[i];
+        cs[i] = (float)cos(ang);
+        sn[i] = (float)sin(ang);
+    }
     for (int h = 0; h < H; h++) {
         float *q = d->qkv + h * hd, *k = d->qkv + inner + h * hd;
         unit_vec(q, hd);
         unit_vec(k, hd);
-        rope(q, hd, p, c->rope_theta);
-        rope(k, hd, p, c->rope_theta);
+        rope(q, hd, cs, sn);
+        rope(k, hd, cs, sn);
     }
     memcpy(kslot, d->qkv + inner, 4 * (size_t)inner);
     memcpy(vslot, d->qkv + 2 * inner, 4 * (size_t)inner);

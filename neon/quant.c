@@ -11,6 +11,17 @@
 
 static inline float clampf(float v, float lo, float hi) { return v < lo ? lo : (v > hi ? hi : v); }
 
+/* rintf (round half to even) without a libm call: for |v| < 2^22, v + 1.5*2^23 lands in
+ * [2^23, 2^24) where the float spacing is 1, so the addition itself rounds to an integer
+ * (ties to even: 1.5*2^23 is even) and the subtraction is exact.  Larger |v| are already
+ * integers, and NaN passes through.  Every caller clamps afterwards, so the sign of a
+ * zero does not matter.  (Without -ffast-math the compiler may not fold (v+c)-c.) */
+static inline float rint_even(float v) {
+    const float c = 0x1.8p23f;
+    if (!(fabsf(v) < 0x1p22f)) return v;
+    return (v + c) - c;
+}
+
 void spel_quantize_q8(const float *w, int64_t rows, int64_t cols, int8_t *q, float *s) {
     for (int64_t r = 0; r < rows; r++) {
         const float *wr = w + r * cols;
@@ -22,7 +33,7 @@ void spel_quantize_q8(const float *w, int64_t rows, int64_t cols, int8_t *q, flo
         float sr = amax / 127.0f;
         s[r] = sr;
         for (int64_t j = 0; j < cols; j++)
-            q[r * cols + j] = sr != 0.0f ? (int8_t)clampf(rintf(wr[j] / sr), -127.0f, 127.0f) : 0;
+            q[r * cols + j] = sr != 0.0f ? (int8_t)clampf(rint_even(wr[j] / sr), -127.0f, 127.0f) : 0;
     }
 }
 
@@ -44,7 +55,7 @@ void spel_quantize_ternary(const float *w, int64_t rows, int64_t cols, int8_t *t
             double wq = 0.0;
             int64_t qq = 0;
             for (int64_t j = 0; j < cols; j++) {
-                float qj = sr != 0.0f ? clampf(rintf(wr[j] / sr), -1.0f, 1.0f) : 0.0f;
+                float qj = sr != 0.0f ? clampf(rint_even(wr[j] / sr), -1.0f, 1.0f) : 0.0f;
                 if (it == 3) { tr[j] = (int8_t)qj; continue; }   /* final q with final s */
                 wq += (double)(wr[j] * qj);
                 qq += qj != 0.0f;
