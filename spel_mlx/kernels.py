@@ -200,8 +200,10 @@ class _EmuExecutor:
     """Runs launches on the C++-compiled kernel bodies (one shared library per build)."""
     _shared = None
 
-    def __init__(self):
+    def __init__(self, lanes=None):
         self.emu = _emu_module()
+        self.lanes = lanes
+        self.emu.lanes_mode(lanes)  # validate early
         if self.emu.compiler() is None:
             raise RuntimeError("the Metal emulation needs a C++ compiler (g++ or clang++)")
         header = kernel_header()
@@ -231,7 +233,7 @@ class _EmuExecutor:
             return [np.zeros(s, d) for s, d in zip(launch.output_shapes, launch.output_dtypes)]
         return self.emu.launch(self.library, self.kernels, k, launch.inputs, launch.template,
                                launch.grid, launch.threadgroup, launch.output_shapes,
-                               launch.output_dtypes)
+                               launch.output_dtypes, lanes=self.lanes)
 
 
 # ---- ops -------------------------------------------------------------------------------
@@ -381,15 +383,17 @@ class MetalOps(_KernelOps):
 class EmulatedOps(_KernelOps):
     """The kernel bodies compiled as C++ and run on the CPU (tests / diagnostics only).
 
-    Accepts mx or numpy arrays; returns mx arrays (``numpy_out=True``: numpy).  It reads
+    Accepts mx or numpy arrays; returns mx arrays (``numpy_out=True``: numpy).  ``lanes``:
+    the threads of a threadgroup are OS threads ("threads", default) or fibers ("fibers",
+    same results, much faster on a loaded machine); default METAL_EMU_LANES.  It reads
     array values on the host, so it cannot run inside mx.compile: a model using it must
     run uncompiled (``model.compile = False``); ``requires_eager`` says so."""
     path = "emulated"
     name = "metal-emulated"
     requires_eager = True
 
-    def __init__(self, numpy_out: bool = False):
-        super().__init__(_EmuExecutor())
+    def __init__(self, numpy_out: bool = False, lanes: str | None = None):
+        super().__init__(_EmuExecutor(lanes))
         self._numpy_out = numpy_out
 
     def collecting(self):

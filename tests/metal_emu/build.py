@@ -312,9 +312,18 @@ def _poisoned(shape, dtype) -> np.ndarray:
     return out
 
 
+def lanes_mode(lanes: str | None = None) -> int:
+    """How the threads of a threadgroup run: "threads" (OS threads, default) or "fibers"."""
+    lanes = lanes or os.environ.get("METAL_EMU_LANES") or "threads"
+    if lanes not in ("threads", "fibers"):
+        raise EmulationError("lanes must be 'threads' or 'fibers', not %r (METAL_EMU_LANES)" % lanes)
+    return 1 if lanes == "fibers" else 0
+
+
 def launch(library: EmuLibrary, kernels: dict, kernel: EmuKernel, inputs, template, grid, threadgroup,
-           output_shapes, output_dtypes):
+           output_shapes, output_dtypes, lanes: str | None = None):
     """Run ``kernel`` like ``mx.fast.metal_kernel(...)(inputs=..., ...)``; returns numpy outputs."""
+    mode = lanes_mode(lanes)
     arrs = [np.require(np.asarray(a), requirements="C") for a in inputs]  # ensure_row_contiguous=True
     for n, a in zip(kernel.input_names, arrs):
         if np.dtype(a.dtype) not in TYPE_STRINGS:
@@ -345,7 +354,7 @@ def launch(library: EmuLibrary, kernels: dict, kernel: EmuKernel, inputs, templa
     for o in outs:
         ptrs.append(o.ctypes.data if o.size else np.zeros(1, o.dtype).ctypes.data)
     argv = (ctypes.c_void_p * len(ptrs))(*ptrs)
-    dims = (ctypes.c_uint32 * 6)(*[int(v) for v in tuple(grid) + tuple(threadgroup)])
+    dims = (ctypes.c_uint32 * 7)(*[int(v) for v in tuple(grid) + tuple(threadgroup)], mode)
     err = ctypes.create_string_buffer(1024)
     rc = fn(argv, dims, err, len(err))
     del keep
