@@ -204,3 +204,34 @@ def test_ctrl_c_stops_cleanly_with_stats(tmp_path):
     assert "Traceback" not in err
     st = stats_of(err)
     assert st["stop_reason"] == "interrupted" and 0 < st["tokens"] < 4000
+
+
+def test_selftest_tiny_shape_passes():
+    from spel_mlx import selftest
+    from spel_mlx.config import resolve_config
+    cfg = resolve_config(overrides="d_model=32,n_layers=4,n_heads=2,head_dim=16,d_ff=64,draft_map=0:3",
+                         use_env=False)
+    out = io.StringIO()
+    failures = selftest.run(cfg, seed=0, out=out)
+    text = out.getvalue()
+    assert failures == 0, text
+    lines = text.splitlines()
+    assert len(lines) == 9 and lines[-1].startswith("PASS (0 failures)")
+    for i in range(1, 9):
+        assert lines[i - 1].startswith(f"[{i}] ")
+        assert " FAIL " not in lines[i - 1]
+
+
+def test_selftest_reports_a_failing_suite(monkeypatch):
+    from spel_mlx import selftest
+    from spel_mlx.config import resolve_config
+    cfg = resolve_config(overrides="d_model=32,n_layers=4,n_heads=2,head_dim=16,d_ff=64,draft_map=0:3",
+                         use_env=False)
+
+    def broken(ctx):
+        raise RuntimeError("boom")
+    monkeypatch.setattr(selftest, "SUITES", (("always broken", broken),) + selftest.SUITES[1:2])
+    out = io.StringIO()
+    assert selftest.run(cfg, out=out) == 1
+    assert "[1] always broken" in out.getvalue() and "RuntimeError: boom" in out.getvalue()
+    assert out.getvalue().splitlines()[-1].startswith("FAIL (1 failure)")
