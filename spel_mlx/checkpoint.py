@@ -12,7 +12,7 @@ from pathlib import Path
 
 from .config import ModelConfig
 from .layout import tensor_specs
-from .spelw import MAGIC, CheckpointError, Golden, read_spelw
+from .spelw import MAGIC, CheckpointError, Golden, PageDroppingWeights, read_spelw
 
 DEFAULT_DIR = Path(__file__).resolve().parent / "assets" / "default"
 DEFAULT_MODEL_FILE = "model.safetensors"
@@ -28,6 +28,14 @@ class Checkpoint:
     stored_dtype: str = "F32"  # on-disk dtype of the weights ("F32", "F16", "BF16" or "mixed")
     file_size: int = 0       # bytes on disk (all files of a folder)
     _release: object = field(default=None, repr=False, compare=False)
+    _release_one: object = field(default=None, repr=False, compare=False)
+
+    def page_dropping_weights(self):
+        """``weights`` as a mapping that drops each tensor's mapped pages when the
+        next one is fetched (for consumers that copy tensor by tensor)."""
+        if self._release_one is None:
+            return self.weights
+        return PageDroppingWeights(self.weights, self._release_one)
 
     def release_pages(self):
         """Drop the mapped file pages from this process's resident set (after a
@@ -85,7 +93,7 @@ def load_checkpoint(path=None) -> Checkpoint:
         dts = st.stored_dtypes
         return Checkpoint(st.cfg, weights, st.golden(), path, "safetensors",
                           dts.pop() if len(dts) == 1 else "mixed", sum(f.size for f in st.files),
-                          lambda: [st.release(n) for n in weights])
+                          lambda: [st.release(n) for n in weights], st.release)
     sp = read_spelw(path)
     return Checkpoint(sp.cfg, sp.tensors, sp.golden, path, "spelw", "F32", sp.file_size,
-                      lambda: sp.release(0, sp.file_size))
+                      lambda: sp.release(0, sp.file_size), sp.release_tensor)

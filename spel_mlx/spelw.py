@@ -18,6 +18,7 @@ import struct
 import sys
 import tempfile
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -229,10 +230,40 @@ class SpelwFile:
     def file_size(self) -> int:
         return self.header.file_size
 
+    def release_tensor(self, name: str):
+        self.release(*self.spans[name])
+
+    def page_dropping_tensors(self) -> "PageDroppingWeights":
+        return PageDroppingWeights(self.tensors, self.release_tensor)
+
     def release(self, start: int, end: int):
         """Drop the mapped pages of bytes [start, end) from this process's resident
         set (they stay in the page cache).  Keeps streaming conversions' RSS flat."""
         drop_pages(self._mm, start, end)
+
+
+class PageDroppingWeights(Mapping):
+    """A read-only mapping over memory-mapped tensor views that, on each lookup,
+    drops the mapped pages of the tensor looked up before.  A consumer that copies
+    tensors one at a time (``SpelModel.from_weights``) then never has the file's
+    pages and its own copy resident together.  Views stay valid (pages fault back in
+    from the page cache), so this is only a residency hint."""
+
+    def __init__(self, tensors: dict, release_one):
+        self._tensors, self._release_one, self._prev = tensors, release_one, None
+
+    def __getitem__(self, name):
+        a = self._tensors[name]
+        if self._prev is not None and self._prev != name:
+            self._release_one(self._prev)
+        self._prev = name
+        return a
+
+    def __iter__(self):
+        return iter(self._tensors)
+
+    def __len__(self):
+        return len(self._tensors)
 
 
 def drop_pages(mm, start: int, end: int):

@@ -75,7 +75,7 @@ def verify(path, config: str | None = None, draft: str = "auto", out=None, targe
     n = g.n
     tokens = np.asarray(g.tokens)
     p(f"golden: n={n} tokens")
-    target = compute_target(cfg, ck.weights, tokens, prefer=target_backend)
+    target = compute_target(cfg, ck.page_dropping_weights(), tokens, prefer=target_backend)
     ck.release_pages()  # the MLX model holds its own copy now
     t_abs, t_agree = compare(g.target_logits, target)
     p(f"target ({golden_backends()['target']}): max_abs={t_abs:.3e}  argmax {t_agree}/{n}")
