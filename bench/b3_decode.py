@@ -32,7 +32,10 @@ def cost_fields(st, ar_token_s: float, ar_tok_s: float, K: int, governed: bool =
          "alpha": st.alpha, "tokens_per_round": st.tokens_per_round, "rounds": st.rounds,
          "spec_rounds": st.spec_rounds, "ar_rounds": st.ar_rounds,
          "governor_trips": st.governor_trips, "tokens": st.tokens}
-    c = (st.draft_s / st.draft_forwards) / ar_token_s if st.draft_forwards else None
+    # forwards of the decode's own proposals (k_eff+1 per round); the engine's forward
+    # counter also holds the prompt sync, which draft_s does not time
+    forwards = st.proposed + st.spec_rounds
+    c = (st.draft_s / forwards) / ar_token_s if forwards else None
     v = (st.verify_s / st.spec_rounds) / ar_token_s if st.spec_rounds else None
     m["c"], m["v"] = c, v
     if c is not None and v is not None:
@@ -154,11 +157,13 @@ def rollback_rows(model, regime, K: int, iters: int) -> list:
                           f"layers, max_seq={state.max_seq})")]
 
 
-def draft_placements(threads: list) -> list:
+def draft_placements(threads: list, drafts=("c", "mlx")) -> list:
     """[(placement label, kind, threads, device or None, reason)]."""
     gpu = common.gpu_available()
-    out = [("draft=c-cpu", "c", t, "cpu", "") for t in threads]
-    out.append(("draft=mlx-cpu", "mlx", None, "cpu", ""))
+    out = [("draft=c-cpu", "c", t, "cpu" if "c" in drafts else None,
+            "" if "c" in drafts else "not in this level's protocol") for t in threads]
+    out.append(("draft=mlx-cpu", "mlx", None, "cpu" if "mlx" in drafts else None,
+                "" if "mlx" in drafts else "not in this level's protocol for this regime"))
     out.append(("draft=mlx-gpu", "mlx", None, "gpu" if gpu else None,
                 "" if gpu else "MLX reports no GPU on this machine"))
     return out
@@ -182,7 +187,7 @@ def run(job: dict, regime: dict) -> list:
             reason = "MLX reports no GPU on this machine"
             rows.append(unavailable(SECTION, "AR target", reason, regime=name,
                                     placement=tgt_label, mode="ar"))
-            for dl, kind, th, _, _ in draft_placements(threads):
+            for dl, kind, th, _, _ in draft_placements(threads, job.get("drafts", ("c", "mlx"))):
                 for label, mode, _ in SPEC_MODES:
                     rows.append(unavailable(SECTION, label, reason, regime=name,
                                             placement=f"{tgt_label} {dl}", mode=mode, threads=th, K=K))
@@ -203,13 +208,15 @@ def run_target_placement(job, regime, tgt_label, tgt_dev, K, warm, gen, prompt, 
     rows.append(make_row(SECTION, "AR target", regime=name, placement=tgt_label, mode="ar",
                          primary="tok_s", metrics={"tok_s": ar_tok_s, "ms_per_token": ar_token_s * 1e3,
                                                    "speedup": 1.0}))
-    for dl, kind, th, ddev, reason in draft_placements(threads):
+    for dl, kind, th, ddev, reason in draft_placements(threads, job.get("drafts", ("c", "mlx"))):
         placement = f"{tgt_label} {dl}"
         fields = dict(regime=name, placement=placement, threads=th, K=K)
         if ddev is None:
-            rows.append(unavailable(SECTION, "draft only", reason, mode="draft-only", **fields))
+            status = common.NOT_AVAILABLE if "GPU" in reason else common.SKIPPED
+            rows.append(unavailable(SECTION, "draft only", reason, mode="draft-only", status=status,
+                                    **fields))
             for label, mode, _ in SPEC_MODES:
-                rows.append(unavailable(SECTION, label, reason, mode=mode, **fields))
+                rows.append(unavailable(SECTION, label, reason, mode=mode, status=status, **fields))
             continue
         try:
             engine = make_draft(kind, model, regime["weights"], k=K, threads=th or 1)
@@ -231,9 +238,12 @@ def run_target_placement(job, regime, tgt_label, tgt_dev, K, warm, gen, prompt, 
         except Exception as e:
             rows.append(unavailable(SECTION, "draft only", f"{type(e).__name__}: {e}",
                                     status=ERROR, mode="draft-only", **fields))
-        for label, mode, fa in SPEC_MODES:
+        for n_mode, (label, mode, fa) in enumerate(SPEC_MODES):
             try:
-                st, _ = decode(model, engine, mode, K, prompt, warm, gen, forced_alpha=fa)
+                # one untimed warm call per engine is enough: compiled steps and the
+                # draft's packed weights are shared by every mode that follows
+                st, _ = decode(model, engine, mode, K, prompt, warm if n_mode == 0 else 0, gen,
+                               forced_alpha=fa)
                 m = cost_fields(st, ar_token_s, ar_tok_s, K, governed=(mode == "governed"))
                 note = "forced acceptance: a system ceiling, not decoding" if mode == "forced" else ""
                 rows.append(make_row(SECTION, label, mode=mode, primary="tok_s", metrics=m,

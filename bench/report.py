@@ -68,6 +68,11 @@ def _cell(r, name, suffix=""):
     return fmt_range(m) + suffix
 
 
+def _protocol(params, regime):
+    from .run import protocol
+    return protocol(params, regime)
+
+
 def _first(rows):
     return rows[0] if rows else None
 
@@ -95,7 +100,7 @@ def headline(results) -> tuple:
             return r
         return None
 
-    threads = results["params"]["threads"]
+    threads = sorted({t for g in regimes for t in _protocol(results["params"], g)["threads"]})
     spec_cell = lambda r: "—" if r is None else (  # noqa: E731
         _cell(r, "tok_s") + " tok/s, " + _cell(r, "speedup") + "× AR, alpha " + _cell(r, "alpha")
         + (", projected " + _cell(r, "projected") + "×" if r["status"] == common.OK else "")
@@ -163,20 +168,28 @@ def regime_section(results) -> str:
 def b1_section(results) -> str:
     rows = _rows(results, "b1")
     if not rows:
-        return "_B1 was not run._"
-    names = []
-    for r in rows:
-        for n in r.get("metrics", {}):
-            if n not in names:
-                names.append(n)
-    body = []
-    for r in rows:
-        if r["status"] != common.OK:
-            body.append([r["name"], r.get("threads") or "—"] + ["—"] * len(names) + [_why(r)])
-        else:
-            body.append([r["name"], r.get("threads") or "—"] + [_cell(r, n) for n in names] +
-                        [r.get("note", "")])
-    return _table(["kernel", "threads"] + names + ["note"], body)
+        return "_B1 was not run at this level._"
+    parts = []
+    # GEMV rows (GMAC/s) and the rest (draft-only tokens, target token) in separate tables
+    for group in ([r for r in rows if "gmac_s" in r.get("metrics", {})],
+                  [r for r in rows if "gmac_s" not in r.get("metrics", {})]):
+        if not group:
+            continue
+        names = []
+        for r in group:
+            for n in r.get("metrics", {}):
+                if n not in names:
+                    names.append(n)
+        body = []
+        for r in group:
+            if r["status"] != common.OK:
+                body.append([r["name"], r.get("threads") or "—"] + ["—"] * len(names) + [_why(r)])
+            else:
+                body.append([r["name"], r.get("threads") or "—"] + [_cell(r, n) for n in names] +
+                            [r.get("note", "")])
+        parts.append(_table(["kernel", "threads"] + names + ["note"], body))
+        parts.append("")
+    return "\n".join(parts)
 
 
 def b2_section(results) -> str:
@@ -222,11 +235,12 @@ def b3_section(results) -> str:
                 j = i
                 while (j + 1 < len(rows_main) and rows_main[j + 1]["status"] == r["status"]
                        and rows_main[j + 1].get("note") == r.get("note")
-                       and rows_main[j + 1]["placement"].split()[0] == r["placement"].split()[0]):
+                       and (rows_main[j + 1]["placement"] or "").split()[:1]
+                       == (r["placement"] or "").split()[:1]):
                     j += 1
                 group = rows_main[i:j + 1]
                 names = ", ".join(dict.fromkeys(x["name"] for x in group))
-                places = ", ".join(dict.fromkeys(x["placement"] for x in group))
+                places = ", ".join(dict.fromkeys(x["placement"] or "—" for x in group))
                 ths = ", ".join(dict.fromkeys(str(x.get("threads") or "—") for x in group))
                 body.append([names, places, ths, r.get("K") or "—", _why(r)] + [""] * 7)
                 i = j + 1
@@ -238,7 +252,7 @@ def b3_section(results) -> str:
                 extra = f"trips {_cell(r, 'governor_trips')}, AR rounds {_cell(r, 'ar_rounds')}"
             if r.get("note"):
                 extra = (extra + "; " if extra else "") + r["note"]
-            body.append([r["name"], r["placement"], th, r.get("K") or "—", _cell(r, "tok_s"),
+            body.append([r["name"], r["placement"] or "—", th, r.get("K") or "—", _cell(r, "tok_s"),
                          _cell(r, "speedup") if r["mode"] != "draft-only" else "—",
                          _cell(r, "alpha") if spec else "—",
                          _cell(r, "c"), _cell(r, "v") if spec else "—",
@@ -355,7 +369,8 @@ def make_plots(results, img_dir) -> tuple:
     axes[0].set_xticklabels(cats, fontsize=8)
     axes[0].set_ylabel("c = draft token / AR token")
     axes[0].set_title("draft cost c by draft placement (0 = not available)", fontsize=9)
-    axes[0].legend(fontsize=8)
+    if axes[0].get_legend_handles_labels()[0]:
+        axes[0].legend(fontsize=8)
     for g in regimes:
         for mode, style in (("fast", "-o"), ("strict", "--s")):
             rs = [r for r in _rows(results, "b2", g, mode=mode)
@@ -366,7 +381,8 @@ def make_plots(results, img_dir) -> tuple:
     axes[1].set_xlabel("M = K+1")
     axes[1].set_ylabel("v = verify(M) / AR token")
     axes[1].set_title("verification cost v, target MLX on CPU", fontsize=9)
-    axes[1].legend(fontsize=8)
+    if axes[1].get_legend_handles_labels()[0]:
+        axes[1].legend(fontsize=8)
     fig.tight_layout()
     p = os.path.join(img_dir, "c_v_by_placement.png")
     fig.savefig(p, dpi=110)
@@ -392,7 +408,8 @@ def make_plots(results, img_dir) -> tuple:
         ax.set_xlabel("alpha (accepted / proposed)")
         ax.set_ylabel("× AR")
         ax.set_title(f"{g}: measured vs cost model, K={K}", fontsize=9)
-        ax.legend(fontsize=6)
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=6)
     fig.tight_layout()
     p = os.path.join(img_dir, "speedup_vs_alpha.png")
     fig.savefig(p, dpi=110)
@@ -416,17 +433,20 @@ def render(results, plots=(), plot_note="", md_dir=".") -> str:
              f"{mach.get('platform', '?')}; MLX {mach.get('mlx', '?')} (default device "
              f"{mach.get('mlx_default_device', '?')}, GPU: {'yes' if mach.get('gpu') else 'no'}).")
     L.append("")
-    L.append(f"Protocol (SPEC 8, the original's §2.1): prompt {p['prompt_len']} tokens, "
-             f"{p['warm']} warm tokens (untimed call), "
-             + ", ".join(f"{v} generated tokens for {k}" for k, v in p['gen'].items() if k in p['regimes'])
-             + f"; K={p['K']}; draft threads {', '.join(map(str, p['threads']))}. Every figure is the "
+    L.append("Protocol (SPEC 8, the original's §2.1): per regime, "
+             + "; ".join(f"{g}: prompt {q['prompt_len']} tokens, {q['warm']} warm tokens "
+                         f"(untimed call), {q['gen']} generated tokens, draft threads "
+                         f"{', '.join(map(str, q['threads']))}"
+                         for g, q in ((g, _protocol(p, g)) for g in p["regimes"]))
+             + f". K={p['K']}. Every figure is the "
              f"median over {p['runs']} independent process runs with the min–max range in "
              f"parentheses (B1 and peers: one process run). `c` = draft time per draft "
              f"forward / AR token time, `v` = one K+1 verification / one AR token, both "
              f"measured inside the row's own rounds; the cost model is "
              f"`speedup(alpha) = (1 + alpha·K) / ((K+1)·c + v)`. Forced-acceptance rows are "
              f"system ceilings (real draft and target forwards, accepted prefix forced), never "
-             f"decoding results.")
+             f"decoding results. The target runs single-threaded (OPENBLAS_NUM_THREADS=1), as "
+             f"in the original.")
     L.append("")
     L.append("## Regimes")
     L.append("")

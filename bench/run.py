@@ -26,20 +26,30 @@ from .common import ERROR, NOT_AVAILABLE, SKIPPED, make_row, unavailable
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
+# Per level: what runs, and the protocol of each regime (prompt tokens, warm tokens,
+# generated tokens, draft threads, draft kinds, B2 repeats, peer tokens). The 218m
+# shape runs fewer tokens: each of its target tokens costs ~10x a 21m one.
 LEVELS = {
-    "smoke": {"regimes": ["tiny"], "runs": 2, "prompt_len": 16, "warm": 2,
-              "gen": {"tiny": 8}, "repeats": 1, "threads": [1, 2], "b2_K": [1, 2, 4],
-              "b2_repeats": 3, "K": 4, "K_ceiling": None, "timeout": 120,
-              "sections": ["b1", "b2", "b3", "peers"], "peers_gen": 8},
-    "quick": {"regimes": ["21m", "218m"], "runs": 2, "prompt_len": 32, "warm": 4,
-              "gen": {"21m": 24, "218m": 6}, "repeats": 1, "threads": [1, 2],
-              "b2_K": [1, 2, 4, 8, 16], "b2_repeats": 3, "K": 4, "K_ceiling": None,
-              "timeout": 240, "sections": ["b1", "b2", "b3", "peers"], "peers_gen": 16},
-    "full": {"regimes": ["21m", "218m"], "runs": 3, "prompt_len": 64, "warm": 8,
-             "gen": {"21m": 64, "218m": 24}, "repeats": 1, "threads": [1, 2],
-             "b2_K": [1, 2, 4, 8, 16], "b2_repeats": 5, "K": 4, "K_ceiling": 16,
-             "timeout": 600, "sections": ["b1", "b2", "b3", "peers"], "peers_gen": 48},
+    # smoke leaves B1 out: bench/kernels.py has no form small enough for the test suite
+    "smoke": {"regimes": ["tiny"], "runs": 2, "K": 4, "K_ceiling": None, "timeout": 120,
+              "sections": ["b2", "b3", "peers"], "b2_K": [1, 2, 4],
+              "per_regime": {"tiny": {"prompt_len": 16, "warm": 2, "gen": 8, "threads": [1, 2],
+                                      "drafts": ["c", "mlx"], "b2_repeats": 3, "peers_gen": 8}}},
+    "quick": {"regimes": ["21m", "218m"], "runs": 2, "K": 4, "K_ceiling": None, "timeout": 240,
+              "sections": ["b1", "b2", "b3", "peers"], "b2_K": [1, 2, 4, 8, 16],
+              "per_regime": {"21m": {"prompt_len": 32, "warm": 4, "gen": 24, "threads": [1, 2],
+                                     "drafts": ["c", "mlx"], "b2_repeats": 3, "peers_gen": 16},
+                             "218m": {"prompt_len": 12, "warm": 2, "gen": 6, "threads": [1, 2],
+                                      "drafts": ["c"], "b2_repeats": 2, "peers_gen": 0}}},
+    "full": {"regimes": ["21m", "218m"], "runs": 3, "K": 4, "K_ceiling": 16, "timeout": 600,
+             "sections": ["b1", "b2", "b3", "peers"], "b2_K": [1, 2, 4, 8, 16],
+             "per_regime": {"21m": {"prompt_len": 64, "warm": 8, "gen": 64, "threads": [1, 2],
+                                    "drafts": ["c", "mlx"], "b2_repeats": 5, "peers_gen": 48},
+                            "218m": {"prompt_len": 32, "warm": 4, "gen": 16, "threads": [1, 2],
+                                     "drafts": ["c", "mlx"], "b2_repeats": 3, "peers_gen": 12}}},
 }
+DEFAULT_PROTOCOL = {"prompt_len": 32, "warm": 4, "gen": 16, "threads": [1, 2], "drafts": ["c", "mlx"],
+                    "b2_repeats": 3, "peers_gen": 16}
 # sections measured once (in the first process run) rather than in every run
 ONCE = ("b1", "peers")
 
@@ -68,18 +78,15 @@ def shipped_checkpoint_dir() -> str:
 
 
 def synthetic_weights(cfg, seed: int = 0) -> dict:
-    """Random weights for a systems-only regime: spel_mlx.synth when it is there,
-    else the model's own initialiser (same scales)."""
+    """Random weights for a systems-only regime, drawn tensor by tensor exactly as
+    ``python -m spel_mlx.synth`` draws them (same seed -> same model as its file)."""
+    from spel_mlx.layout import tensor_specs
     try:
-        from spel_mlx import synth
-        for fn_name in ("synthetic_weights", "random_weights", "make_weights"):
-            fn = getattr(synth, fn_name, None)
-            if fn is not None:
-                return fn(cfg, seed=seed)
-    except ImportError:
-        pass
-    from spel_mlx.model import init_weights
-    return init_weights(cfg, seed=seed)
+        from spel_mlx.synth import synth_tensor
+    except ImportError:  # older trees: the model's own initialiser (same scales)
+        from spel_mlx.model import init_weights
+        return init_weights(cfg, seed=seed)
+    return {spec.name: synth_tensor(spec, seed, i) for i, spec in enumerate(tensor_specs(cfg))}
 
 
 def load_regime(name: str) -> dict:
@@ -250,20 +257,24 @@ def normalize_b1(out) -> list:
 
 # --------------------------------------------------------------------------- orchestration
 
+def protocol(params: dict, regime: str) -> dict:
+    return {**DEFAULT_PROTOCOL, **params["per_regime"].get(regime, {}),
+            **params.get("override", {})}
+
+
 def build_jobs(level: str, params: dict) -> list:
     jobs = []
     for run_idx in range(params["runs"]):
         for i, regime in enumerate(params["regimes"]):
+            proto = protocol(params, regime)
             sections = [s for s in params["sections"]
-                        if (s not in ONCE or run_idx == 0) and (s != "b1" or i == 0)]
+                        if (s not in ONCE or run_idx == 0) and (s != "b1" or i == 0)
+                        and (s != "peers" or proto["peers_gen"] > 0)]
             if not sections:
                 continue
             jobs.append({"level": level, "run": run_idx, "regime": regime, "sections": sections,
-                         "prompt_len": params["prompt_len"], "warm": params["warm"],
-                         "gen": params["gen"].get(regime, 16), "repeats": params["repeats"],
-                         "threads": params["threads"], "b2_K": params["b2_K"],
-                         "b2_repeats": params["b2_repeats"], "K": params["K"],
-                         "K_ceiling": params["K_ceiling"], "peers_gen": params["peers_gen"]})
+                         "b2_K": params["b2_K"], "K": params["K"], "K_ceiling": params["K_ceiling"],
+                         "repeats": 1, **proto})
     return jobs
 
 
@@ -275,6 +286,9 @@ def spawn(job: dict, timeout: float, log) -> dict:
         cmd = [sys.executable, "-m", "bench", "--worker", job_path, "--worker-out", out_path]
         env = dict(os.environ)
         env["PYTHONPATH"] = REPO + os.pathsep + env.get("PYTHONPATH", "")
+        # the target path is single-threaded, as in the original (SPEC 8 / seed 1.4): and a
+        # threaded OpenBLAS GEMM on a busy machine spins its workers (10x slower batches)
+        env.setdefault("OPENBLAS_NUM_THREADS", str(job.get("blas_threads", 1)))
         t0 = time.perf_counter()
         try:
             proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True,
@@ -363,7 +377,7 @@ def level_params(args) -> tuple:
             raise ValueError(f"--threads {args.threads!r}: expected a comma list of integers") from None
         if not th or any(not 1 <= t <= 6 for t in th):
             raise ValueError(f"--threads {args.threads!r}: each must be in 1..6")
-        params["threads"] = th
+        params.setdefault("override", {})["threads"] = th
     if args.K is not None:
         if not 1 <= args.K <= 16:
             raise ValueError(f"--K {args.K}: must be in 1..16")
@@ -405,6 +419,9 @@ def main(argv=None) -> int:
     except (ValueError, OSError) as e:
         print(f"bench: error: {e}", file=sys.stderr)
         return 2
+    except Exception as e:  # a bug in the report must not end in a traceback
+        print(f"bench: internal error: {type(e).__name__}: {e}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         print("bench: interrupted", file=sys.stderr)
         return 130

@@ -62,7 +62,8 @@ def test_smoke_headline_rows_span_process_runs(smoke):
         for ms, ar_ms, v in zip(r["metrics"]["ms"]["runs"], r["metrics"]["ar_ms"]["runs"],
                                 r["metrics"]["v"]["runs"]):
             assert v == pytest.approx(ms / ar_ms, rel=1e-9)
-    # B1 and peers run once; they are not headline rows
+    assert not any(r["section"] == "b1" for r in res["rows"])  # B1 is left out of the smoke form
+    # peers run once; they are not headline rows
     assert all(r.get("process_runs", 0) <= 1 for r in res["rows"] if r["section"] in ("b1", "peers"))
 
 
@@ -167,8 +168,7 @@ def test_peers_skipped_with_reason_when_mlx_lm_missing(monkeypatch):
                                       (["--K", "0"], "must be in 1..16"),
                                       (["--regimes", "99m"], "unknown regime"),
                                       (["--sections", "b7"], "unknown 'b7'")])
-def test_cli_bad_arguments_are_clear_errors(args, msg):
-    proc = subprocess.run([sys.executable, "-m", "bench", "--smoke", *args], cwd=REPO,
-                          capture_output=True, text=True, timeout=60)
-    assert proc.returncode == 2
-    assert msg in proc.stderr and "Traceback" not in proc.stderr
+def test_cli_bad_arguments_are_clear_errors(args, msg, capsys):
+    assert run.main(["--smoke", *args]) == 2
+    err = capsys.readouterr().err
+    assert msg in err and "Traceback" not in err
