@@ -12,6 +12,15 @@
 #include "spel_internal.h"
 
 #define L2_EPS 1e-6f
+
+/* Float-heavy functions get an AVX2 clone on x86-64 Linux (chosen at load by ifunc).
+ * With -ffp-contract=off both clones do the same IEEE operations in the same order,
+ * so the results are identical; only the vector width differs. */
+#if defined(__x86_64__) && defined(__linux__) && defined(__GNUC__) && !defined(__clang__)
+#define SPEL_FLOAT_FN __attribute__((target_clones("avx2", "default")))
+#else
+#define SPEL_FLOAT_FN
+#endif
 #define ROWS_CHUNK 256
 
 /* ---------------------------------------------------------------- helpers */
@@ -24,7 +33,7 @@ static void *alloc64(size_t n) {
 
 /* Fixed summation order (16 interleaved partial sums, then a fixed tree) so the
  * compiler may vectorize it without changing the result. */
-float spel_dot_f32(const float *a, const float *b, int64_t n) {
+SPEL_FLOAT_FN float spel_dot_f32(const float *a, const float *b, int64_t n) {
     float acc[16] = {0};
     int64_t i = 0;
     for (; i + 16 <= n; i += 16)
@@ -145,9 +154,9 @@ typedef struct {
     int kind, set;
     float *attn_norm, *ffn_norm, *conv, *decay, *beta;   /* decay/beta: sigmoid applied */
     spel_qmat wqkv, wo, w1, w3, w2;
-    float *ring_S;     /* [R][H][hd][hd]: rows index v, columns index k */
+    float *ring_S;     /* [R][H][hd][hd]: S transposed (rows index k, columns index v) */
     float *ring_tail;  /* [R][2][d]: the conv's last two normed inputs */
-    float *kcache, *vcache;   /* [max_seq][H*hd], k rotated */
+    float *kcache, *vcache;   /* k: [H][hd][max_seq] (rotated, transposed); v: [max_seq][H*hd] */
 } dlayer;
 
 struct spel_draft {
@@ -206,7 +215,7 @@ spel_draft *spel_draft_new(const spel_draft_config *cfg, const int *kinds) {
     d->mix = alloc64(4 * (size_t)dm);
     d->g1 = alloc64(4 * (size_t)ff);
     d->g3 = alloc64(4 * (size_t)ff);
-    d->scores = alloc64(4 * (size_t)cfg->max_seq);
+    d->scores = alloc64(4 * (size_t)(cfg->max_seq > cfg->head_dim ? cfg->max_seq : cfg->head_dim));
     d->inv_freq = alloc64(sizeof(double) * (size_t)(cfg->head_dim / 2 + 1));
     d->rope_cs = alloc64(4 * (size_t)cfg->head_dim);
     if (d->inv_freq)
@@ -357,41 +366,63 @@ static void rope(float *v, int hd, const float *cs, const float *sn) {
     }
 }
 
-static void gdn_mixer(spel_draft *d, dlayer *L, int j) {
+/* GDN mixer.  The ring stores each head's S TRANSPOSED (ST[j][i] = S[i][j], rows index k)
+ * so every pass below is a reduction-free axpy over contiguous rows:
+ *   Sk = sum_j k[j] ST[j]          e = beta (v - Sk)
+ *   ST'[j] = a ST[j] + k[j] e      o = sum_j q[j] ST'[j] / sqrt(hd)          */
+SPEL_FLOAT_FN static void gdn_mixer(spel_draft *d, dlayer *L, int j) {
     const spel_draft_config *c = &d->cfg;
     int dm = c->d_model, H = c->n_heads, hd = c->head_dim, inner = H * hd;
     int src = (d->read + j) % d->R, dst = (d->read + 1 + j) % d->R;
     const float *ts = L->ring_tail + (size_t)src * 2 * dm;
     float *td = L->ring_tail + (size_t)dst * 2 * dm;
     for (int i = 0; i < dm; i++)
-        d->u[i] = silu(L->conv[i] * ts[i] + L->conv[dm + i] * ts[dm + i] + L->conv[2 * dm + i] * d->xn[i]);
+        d->u[i] = L->conv[i] * ts[i] + L->conv[dm + i] * ts[dm + i] + L->conv[2 * dm + i] * d->xn[i];
+    for (int i = 0; i < dm; i++) d->u[i] = silu(d->u[i]);
     memcpy(td, ts + dm, 4 * (size_t)dm);
     memcpy(td + dm, d->xn, 4 * (size_t)dm);
     qlinear(d, d->u, dm, &L->wqkv, d->qkv, NULL, NULL);
     const float inv_sqrt_hd = 1.0f / sqrtf((float)hd);
     size_t s_slot = (size_t)H * hd * hd;
+    float *sk = d->scores;   /* hd floats of scratch */
     for (int h = 0; h < H; h++) {
         float *q = d->qkv + h * hd, *k = d->qkv + inner + h * hd, *v = d->qkv + 2 * inner + h * hd;
         unit_vec(q, hd);
         unit_vec(k, hd);
-        const float *S = L->ring_S + src * s_slot + (size_t)h * hd * hd;
-        float *Sd = L->ring_S + dst * s_slot + (size_t)h * hd * hd;
+        const float *ST = L->ring_S + src * s_slot + (size_t)h * hd * hd;
+        float *STd = L->ring_S + dst * s_slot + (size_t)h * hd * hd;
         float a = L->decay[h], beta = L->beta[h];
-        for (int i = 0; i < hd; i++) {
-            const float *row = S + (size_t)i * hd;
-            float *drow = Sd + (size_t)i * hd;
-            float e = beta * (v[i] - spel_dot_f32(row, k, hd));
-            for (int t = 0; t < hd; t++) drow[t] = a * row[t] + e * k[t];
-            d->o[h * hd + i] = spel_dot_f32(drow, q, hd) * inv_sqrt_hd;
+        float *o = d->o + h * hd;
+        for (int i = 0; i < hd; i++) sk[i] = 0.0f;
+        for (int t = 0; t < hd; t++) {
+            const float *row = ST + (size_t)t * hd;
+            float kt = k[t];
+            for (int i = 0; i < hd; i++) sk[i] += kt * row[i];
         }
+        for (int i = 0; i < hd; i++) {
+            sk[i] = beta * (v[i] - sk[i]);   /* e */
+            o[i] = 0.0f;
+        }
+        for (int t = 0; t < hd; t++) {
+            const float *row = ST + (size_t)t * hd;
+            float *drow = STd + (size_t)t * hd;
+            float kt = k[t], qt = q[t];
+            for (int i = 0; i < hd; i++) {
+                drow[i] = a * row[i] + kt * sk[i];
+                o[i] += qt * drow[i];
+            }
+        }
+        for (int i = 0; i < hd; i++) o[i] *= inv_sqrt_hd;
     }
 }
 
-static void attn_mixer(spel_draft *d, dlayer *L, int64_t p) {
+/* Attention.  The K cache is stored per head transposed, kcache[h][i][t], so the scores
+ * of all cached positions are axpys over t; the V cache is [t][H*hd]. */
+SPEL_FLOAT_FN static void attn_mixer(spel_draft *d, dlayer *L, int64_t p) {
     const spel_draft_config *c = &d->cfg;
     int dm = c->d_model, H = c->n_heads, hd = c->head_dim, inner = H * hd;
+    const int64_t T = c->max_seq;
     qlinear(d, d->xn, dm, &L->wqkv, d->qkv, NULL, NULL);
-    float *kslot = L->kcache + (size_t)p * inner, *vslot = L->vcache + (size_t)p * inner;
     float *cs = d->rope_cs, *sn = d->rope_cs + hd / 2;
     for (int i = 0; i < hd / 2; i++) {   /* angle pos * theta^(-2i/hd), in double */
         double ang = (double)p * d->inv_freq[i];
@@ -404,25 +435,37 @@ static void attn_mixer(spel_draft *d, dlayer *L, int64_t p) {
         unit_vec(k, hd);
         rope(q, hd, cs, sn);
         rope(k, hd, cs, sn);
+        float *kc = L->kcache + (size_t)h * hd * T;
+        for (int i = 0; i < hd; i++) kc[(size_t)i * T + p] = k[i];
     }
-    memcpy(kslot, d->qkv + inner, 4 * (size_t)inner);
-    memcpy(vslot, d->qkv + 2 * inner, 4 * (size_t)inner);
+    memcpy(L->vcache + (size_t)p * inner, d->qkv + 2 * inner, 4 * (size_t)inner);
     const float scale = sqrtf((float)hd);
+    float *sc = d->scores;
+    const int64_t n = p + 1;
     for (int h = 0; h < H; h++) {
         const float *q = d->qkv + h * hd;
+        const float *kc = L->kcache + (size_t)h * hd * T;
+        for (int64_t t = 0; t < n; t++) sc[t] = 0.0f;
+        for (int i = 0; i < hd; i++) {
+            const float *col = kc + (size_t)i * T;
+            float qi = q[i];
+            for (int64_t t = 0; t < n; t++) sc[t] += qi * col[t];
+        }
         float m = -INFINITY;
-        for (int64_t t = 0; t <= p; t++) {
-            float s = scale * spel_dot_f32(q, L->kcache + (size_t)t * inner + h * hd, hd);
-            d->scores[t] = s;
-            if (s > m) m = s;
+        for (int64_t t = 0; t < n; t++) {
+            sc[t] *= scale;
+            if (sc[t] > m) m = sc[t];
         }
         float sum = 0.0f;
+        for (int64_t t = 0; t < n; t++) {
+            sc[t] = expf(sc[t] - m);
+            sum += sc[t];
+        }
         float *o = d->o + h * hd;
-        memset(o, 0, 4 * (size_t)hd);
-        for (int64_t t = 0; t <= p; t++) {
-            float e = expf(d->scores[t] - m);
-            sum += e;
+        for (int i = 0; i < hd; i++) o[i] = 0.0f;
+        for (int64_t t = 0; t < n; t++) {
             const float *vt = L->vcache + (size_t)t * inner + h * hd;
+            float e = sc[t];
             for (int i = 0; i < hd; i++) o[i] += e * vt[i];
         }
         float inv = 1.0f / sum;
