@@ -142,8 +142,9 @@ def bench_draft(quick: bool) -> list:
         weights = draft_weights(cfg)
         ntok = (64 if shape == "21m" else 16) * (1 if quick else 4)
         toks = np.random.default_rng(1).integers(0, cfg.vocab, ntok)
-        for threads in (1, 2):
-            d = draft.CDraft(cfg, weights, threads=threads)
+        variants = [(1, False), (2, False)] + ([(1, True)] if shape == "21m" else [])
+        for threads, q8_head in variants:
+            d = draft.CDraft(cfg, weights, threads=threads, q8_head=q8_head)
             packed = d.packed_bytes()
             walls, cpus = [], []
             for _ in range(3 if quick else 5):
@@ -154,7 +155,8 @@ def bench_draft(quick: bool) -> list:
                     d.step(int(t))
                 walls.append((time.perf_counter() - t0) / (ntok - 1))
                 cpus.append((time.thread_time() - c0) / (ntok - 1))
-            r = {"name": f"draft-only {shape}", "threads": threads, "tok_s": 1 / _median(walls),
+            r = {"name": f"draft-only {shape}" + (" q8-head" if q8_head else ""), "threads": threads,
+                 "tok_s": 1 / _median(walls),
                  "ms_per_token": _median(walls) * 1e3, "kernel": d.kernel,
                  "packed_q8_bytes": packed["q8"], "packed_ternary_bytes": packed["ternary"]}
             if threads == 1:
@@ -179,12 +181,14 @@ def bench_target_token(quick: bool):
     for t in toks[:4]:
         mx.eval(model.forward([int(t)], state))
         state.commit(1)
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     for t in toks[4:]:
         mx.eval(model.forward([int(t)], state))
         state.commit(1)
     sec = (time.perf_counter() - t0) / (len(toks) - 4)
-    return {"name": "mlx target AR 21m", "threads": 1, "tok_s": 1 / sec, "ms_per_token": sec * 1e3}
+    cpu = (time.process_time() - c0) / (len(toks) - 4)   # all of MLX's threads
+    return {"name": "mlx target AR 21m", "threads": 1, "tok_s": 1 / sec, "ms_per_token": sec * 1e3,
+            "tok_s_cpu": 1 / cpu, "ms_per_token_cpu": cpu * 1e3}
 
 
 def run(quick: bool = True) -> dict:
@@ -193,8 +197,10 @@ def run(quick: bool = True) -> dict:
     rows.append(target)
     if "ms_per_token" in target:
         for r in rows:
-            if r["name"] == "draft-only 21m":
+            if r["name"].startswith("draft-only 21m"):
                 r["c_vs_mlx_target"] = r["ms_per_token"] / target["ms_per_token"]
+                if "tok_s_cpu" in r:
+                    r["c_vs_mlx_target_cpu"] = target["tok_s_cpu"] / r["tok_s_cpu"]
     return {"rows": rows}
 
 
@@ -209,14 +215,16 @@ def format_table(rows) -> str:
                          f"{r['x_numpy_fp32']:>7.2f}"
                          f"{(format(r['x_numpy_fp32_cpu'], '.2f') if 'x_numpy_fp32_cpu' in r else '-'):>7}")
     lines.append("")
-    lines.append(f"{'draft / target token':<22}{'thr':>4}{'tok/s':>10}{'(cpu)':>10}{'ms/tok':>9}{'c':>8}")
+    lines.append(f"{'draft / target token':<24}{'thr':>4}{'tok/s':>10}{'(cpu)':>10}{'ms/tok':>9}{'c':>8}"
+                 f"{'c(cpu)':>8}")
     for r in rows:
         if "tok_s" in r:
             c = r.get("c_vs_mlx_target")
             cpu = r.get("tok_s_cpu")
-            lines.append(f"{r['name']:<22}{r['threads']:>4}{r['tok_s']:>10.1f}"
+            lines.append(f"{r['name']:<24}{r['threads']:>4}{r['tok_s']:>10.1f}"
                          f"{(f'{cpu:.1f}' if cpu else '-'):>10}{r['ms_per_token']:>9.3f}"
-                         f"{(f'{c:.4f}' if c else '-'):>8}")
+                         f"{(f'{c:.4f}' if c else '-'):>8}"
+                         f"{(format(r['c_vs_mlx_target_cpu'], '.4f') if 'c_vs_mlx_target_cpu' in r else '-'):>8}")
         elif r.get("status"):
             lines.append(f"{r['name']:<22} {r['status']}: {r.get('note', '')}")
     return "\n".join(lines)
