@@ -172,3 +172,54 @@ def test_cli_bad_arguments_are_clear_errors(args, msg, capsys):
     assert run.main(["--smoke", *args]) == 2
     err = capsys.readouterr().err
     assert msg in err and "Traceback" not in err
+
+
+# --------------------------------------------------------------------------- placement
+
+@pytest.fixture(scope="module")
+def tiny_model():
+    from spel_mlx.model import SpelModel, init_weights
+    cfg = run.regime_config("tiny")
+    weights = init_weights(cfg, seed=3)
+    return SpelModel.from_weights(cfg, weights), weights
+
+
+def test_calibrate_placement_ranks_by_the_cost_model(tiny_model):
+    from spel_mlx import placement
+    model, weights = tiny_model
+    ranked = placement.calibrate_placement(model, weights, k=4, threads=[1, 2], alpha=0.5, reps=3)
+    avail = [p for p in ranked if p.available]
+    names = [p.name for p in ranked]
+    assert len(names) == len(set(names))
+    # every target device x every draft option is listed, available or not
+    n_targets, n_drafts = 2, 2 + 2  # gpu/cpu x (C at 1 and 2 threads, MLX on gpu/cpu)
+    assert len(ranked) == n_targets * n_drafts
+    assert avail and ranked[:len(avail)] == avail  # available ones first
+    costs = [p.round_cost for p in avail]
+    assert costs == sorted(costs)
+    for p in avail:
+        assert p.c == pytest.approx(p.draft_token_s / p.ar_token_s)
+        assert p.v == pytest.approx(p.verify_s / p.ar_token_s)
+        assert p.round_cost == pytest.approx(5 * p.c + p.v)
+        assert p.projected == pytest.approx(common.cost_model_speedup(0.5, 4, p.c, p.v))
+    for p in ranked[len(avail):]:
+        assert p.reason
+    if not placement.gpu_available():
+        assert all(p.target_device == "cpu" and p.draft_device == "cpu" for p in avail)
+        assert {p.draft for p in avail} == {"c", "mlx"}
+    d = avail[0].to_dict()
+    assert d["name"] == avail[0].name and "c" in d and "v" in d
+    assert placement.choose_placement(model, weights, k=4, threads=[1], reps=2).available
+    assert "rank" in placement.format_ranking(ranked)
+
+
+def test_calibrate_placement_without_weights_and_bad_requests(tiny_model):
+    from spel_mlx import placement
+    model, _ = tiny_model
+    ranked = placement.calibrate_placement(model, None, k=2, threads=[1], reps=2)
+    c_rows = [p for p in ranked if p.draft == "c" and p.target_device == "cpu"]
+    assert c_rows and all(not p.available and "no weights" in p.reason for p in c_rows)
+    with pytest.raises(placement.PlacementError, match="K=0"):
+        placement.calibrate_placement(model, None, k=0)
+    with pytest.raises(placement.PlacementError, match="threads 7"):
+        placement.calibrate_placement(model, None, threads=[7])
