@@ -487,6 +487,8 @@ def describe() -> str:
         return "invalid: %s" % e
     how = "selected" if _selected else "auto" if not os.environ.get("SPEL_KERNELS") else "SPEL_KERNELS"
     if p == "metal":
+        if not metal_available():
+            return "metal (%s) requested, but Metal is unavailable here: select() will fail" % how
         return "metal (%s): custom kernels %s via mx.fast.metal_kernel" % (how, names)
     if p == "emulated":
         return "emulated (%s): kernels %s compiled as C++ on the CPU (tests/diagnostics)" % (how, names)

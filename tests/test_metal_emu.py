@@ -400,8 +400,8 @@ def test_model_strict_fast_and_rollback_with_emulated_kernels(ops):
     w = init_weights(cfg, seed=3)
     ref_model = SpelModel.from_weights(cfg, w)
     model = SpelModel.from_weights(cfg, w)
-    model.compile = False                      # the emulation reads arrays on the host
     model.set_ops(kernels.EmulatedOps(lanes="fibers"))   # ~100 dispatches: fibers keep it fast
+    assert model.compile is False              # requires_eager: the emulation reads host arrays
     r = _rng(30)
     prompt, batch, after = (r.integers(0, cfg.vocab, n) for n in (9, 5, 4))
 
@@ -435,3 +435,84 @@ def test_model_strict_fast_and_rollback_with_emulated_kernels(ops):
         s2 = state_after(model, np.concatenate([prompt, batch[:n]]))
         want = np.array(model.forward(after, s2, strict=True))
         assert np.array_equal(got.view(np.uint32), want.view(np.uint32))
+
+
+# ---- MetalOps' own plumbing, with mx.fast.metal_kernel stood in for by the emulation ----------
+def test_metal_ops_calls_metal_kernel_correctly(ops, monkeypatch):
+    """MetalOps is only exercised for real on Apple GPUs; here mx.fast.metal_kernel is replaced
+    by a stand-in that checks what MetalOps passes (body, header, names, template, mx dtypes)
+    and runs it on the emulation, so the mx-array path (0-d pos0, uint8 -> uint32 view,
+    fallbacks) is tested end to end."""
+    ex = kernels._EmuExecutor(lanes="fibers")
+    build = ex.emu
+    seen = []
+
+    def fake_metal_kernel(name, input_names, output_names, source, header="",
+                          ensure_row_contiguous=True, atomic_outputs=False, compile_options=None):
+        k = ex.kernels[name[len("spel_"):]]
+        assert (tuple(input_names), tuple(output_names), source, header) == \
+            (k.input_names, k.output_names, k.source, k.header)
+        assert ensure_row_contiguous and not atomic_outputs
+
+        def call(*, inputs, template, grid, threadgroup, output_shapes, output_dtypes, **kw):
+            assert all(isinstance(a, mx.array) for a in inputs)
+            seen.append((k.name, [(a.dtype, a.ndim) for a in inputs]))
+            np_dt = [np.dtype({mx.float32: np.float32, mx.int8: np.int8}[d]) for d in output_dtypes]
+            outs = build.launch(ex.library, ex.kernels, k, [np.array(a) for a in inputs], template,
+                                grid, threadgroup, output_shapes, np_dt, lanes="fibers")
+            return [mx.array(o) for o in outs]
+        return call
+
+    monkeypatch.setattr(kernels, "metal_available", lambda: True)
+    monkeypatch.setattr(mx.fast, "metal_kernel", fake_metal_kernel)
+    metal = kernels.MetalOps()
+
+    from spel_mlx.config import ModelConfig
+    from spel_mlx.model import SpelModel, init_weights
+    cfg = ModelConfig(d_model=48, n_layers=3, n_heads=2, head_dim=32, d_ff=64, vocab=32,
+                      max_seq=96, attn_period=3, draft_map=(0, 2), spec_k=4)
+    w = init_weights(cfg, seed=5)
+    ref_model, model = SpelModel.from_weights(cfg, w), SpelModel.from_weights(cfg, w)
+    metal.requires_eager = True                 # the stand-in reads arrays on the host
+    model.set_ops(metal)
+    assert model.compile is False
+    toks = _rng(50).integers(0, cfg.vocab, 12)
+    got = np.array(model.forward(toks[:5], model.new_state()))
+    want = np.array(ref_model.forward(toks[:5], ref_model.new_state()))
+    assert np.abs(got - want).max() < 1e-4
+    assert ("attn_verify", [(mx.float32, 3), (mx.float32, 3), (mx.float32, 3), (mx.int32, 0),
+                            (mx.float32, 1)]) in seen
+    assert {name for name, _ in seen} == {"gdn_conv", "gdn_delta", "attn_verify"}
+
+    packed, _, s, x = tern_inputs(5, 64, 192, seed=51)
+    y = np.array(metal.ternary_matmul(mx.array(x), mx.array(packed), mx.array(s)))
+    assert np.array_equal(y, ops.ternary_matmul(x, packed, s))
+    assert seen[-1][1][0] == (mx.uint32, 2)     # the uint8 rows reach the kernel as uint32 words
+
+
+def test_metal_ops_trace_inside_mx_compile(monkeypatch):
+    """Inside the model's mx.compile'd step MetalOps must never read an array on the host
+    (pos0 is traced).  A stand-in kernel returning zeros of the declared shapes is enough."""
+    calls = []
+
+    def fake_metal_kernel(name, input_names, output_names, source, header="", **kw):
+        def call(*, inputs, template, grid, threadgroup, output_shapes, output_dtypes, **kw2):
+            calls.append(name)
+            return [mx.zeros(s, dtype=d) for s, d in zip(output_shapes, output_dtypes)]
+        return call
+
+    monkeypatch.setattr(kernels, "metal_available", lambda: True)
+    monkeypatch.setattr(mx.fast, "metal_kernel", fake_metal_kernel)
+    from spel_mlx.config import ModelConfig
+    from spel_mlx.model import SpelModel, init_weights
+    cfg = ModelConfig(d_model=48, n_layers=3, n_heads=2, head_dim=32, d_ff=64, vocab=32,
+                      max_seq=96, attn_period=3, draft_map=(0, 2), spec_k=4)
+    model = SpelModel.from_weights(cfg, init_weights(cfg, seed=1))
+    model.set_ops(kernels.MetalOps())
+    assert model.compile is True
+    st = model.new_state()
+    logits = model.forward([1, 2, 3], st)
+    st.commit(3)
+    logits = model.forward([4], st)            # pos0 = 3 arrives as a traced int32 scalar
+    assert logits.shape == (1, cfg.vocab) and np.isfinite(np.array(logits)).all()
+    assert {"spel_gdn_conv", "spel_gdn_delta", "spel_attn_verify"} <= set(calls)
