@@ -11,6 +11,8 @@ import os
 from . import common
 from .common import fmt_num, fmt_range, metric
 
+PLACEMENT_ALPHA = 0.6
+
 # SPEC 9: the original's figures (Apple M5, C11, FP32 target), for the side-by-side column
 ORIGINAL = {
     ("21m", "ar"): "366.5–371.0 tok/s",
@@ -273,6 +275,28 @@ def b3_section(results) -> str:
     return "\n".join(parts)
 
 
+def placement_section(results) -> str:
+    parts = []
+    for g in results["params"]["regimes"]:
+        rows = _rows(results, "placement", g)
+        if not rows:
+            continue
+        body = []
+        for r in sorted(rows, key=lambda r: (r["status"] != common.OK, metric(r, "rank") or 0)):
+            th = r.get("threads") or "—"
+            if r["status"] != common.OK:
+                body.append(["—", r["placement"], th, _why(r), "", "", "", "", ""])
+                continue
+            body.append([f"{metric(r, 'rank'):g}", r["placement"], th, _cell(r, "c"), _cell(r, "v"),
+                         _cell(r, "round_cost"), _cell(r, "projected"), _cell(r, "ar_ms"),
+                         _cell(r, "draft_ms")])
+        parts.append(f"**{g}** (K={rows[0].get('K')})\n")
+        parts.append(_table(["rank", "placement", "threads", "c", "v", "(K+1)c+v",
+                             f"projected × AR at alpha {PLACEMENT_ALPHA}", "AR ms", "draft ms"], body))
+        parts.append("")
+    return "\n".join(parts) if parts else "_The placement calibration was not run._"
+
+
 def peers_section(results) -> str:
     rows = _rows(results, "peers")
     if not rows:
@@ -348,27 +372,31 @@ def make_plots(results, img_dir) -> tuple:
     plt.close(fig)
     made.append(("Decode tok/s by mode and placement", p))
 
-    # 2. c and v by placement
+    # 2. c and v by placement (the calibration rows; B3 draft-only rows if it did not run)
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
     width = 0.8 / max(1, len(regimes))
+
+    def c_rows(g):
+        rs = [r for r in _rows(results, "placement", g) if r["status"] == common.OK]
+        return rs or [r for r in _rows(results, "b3", g, mode="draft-only") if r["status"] == common.OK]
+
+    def lab_of(r):
+        return (r["placement"].replace("target=", "T:").replace(" draft=", "\nD:")
+                + (f" t{r['threads']}" if r.get("threads") else ""))
     cats = []
     for g in regimes:
-        for r in _rows(results, "b3", g, mode="draft-only"):
-            lab = r["placement"].split("draft=")[-1] + (f" t{r['threads']}" if r.get("threads") else "")
-            if lab not in cats:
-                cats.append(lab)
+        for r in c_rows(g):
+            if lab_of(r) not in cats:
+                cats.append(lab_of(r))
     for i, g in enumerate(regimes):
-        vals = []
-        for lab in cats:
-            r = _first([r for r in _rows(results, "b3", g, mode="draft-only")
-                        if r["status"] == common.OK and
-                        r["placement"].split("draft=")[-1] + (f" t{r['threads']}" if r.get("threads") else "") == lab])
-            vals.append(metric(r, "c") if r else 0.0)
-        axes[0].bar([x + i * width for x in range(len(cats))], vals, width, label=g)
+        by = {lab_of(r): metric(r, "c") for r in c_rows(g)}
+        axes[0].bar([x + i * width for x in range(len(cats))], [by.get(c) or 0.0 for c in cats],
+                    width, label=g)
     axes[0].set_xticks([x + width * (len(regimes) - 1) / 2 for x in range(len(cats))])
-    axes[0].set_xticklabels(cats, fontsize=8)
-    axes[0].set_ylabel("c = draft token / AR token")
-    axes[0].set_title("draft cost c by draft placement (0 = not available)", fontsize=9)
+    axes[0].set_xticklabels(cats, fontsize=7)
+    axes[0].set_yscale("log")
+    axes[0].set_ylabel("c = draft token / AR token (log)")
+    axes[0].set_title("draft cost c by placement (available placements)", fontsize=9)
     if axes[0].get_legend_handles_labels()[0]:
         axes[0].legend(fontsize=8)
     for g in regimes:
@@ -472,6 +500,15 @@ def render(results, plots=(), plot_note="", md_dir=".") -> str:
              "the two is what the model leaves out: Python round overhead, argmax, commits.")
     L.append("")
     L.append(b3_section(results))
+    L.append("## Placement calibration (`--placement auto`)")
+    L.append("")
+    L.append("`spel_mlx.placement.calibrate_placement` times one AR token, one K+1 verification "
+             "and one draft token per placement and ranks by the round cost `(K+1)·c + v` "
+             "(the cost model's denominator: the order is the same at every alpha). Rank is "
+             "per process run; the median is shown.")
+    L.append("")
+    L.append(placement_section(results))
+    L.append("")
     L.append("## Peers (mlx-lm, same shapes, random weights)")
     L.append("")
     L.append(peers_section(results))

@@ -32,17 +32,17 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LEVELS = {
     # smoke leaves B1 out: bench/kernels.py has no form small enough for the test suite
     "smoke": {"regimes": ["tiny"], "runs": 2, "K": 4, "K_ceiling": None, "timeout": 120,
-              "sections": ["b2", "b3", "peers"], "b2_K": [1, 2, 4],
+              "sections": ["b2", "b3", "placement", "peers"], "b2_K": [1, 2, 4],
               "per_regime": {"tiny": {"prompt_len": 16, "warm": 2, "gen": 8, "threads": [1, 2],
                                       "drafts": ["c", "mlx"], "b2_repeats": 3, "peers_gen": 8}}},
     "quick": {"regimes": ["21m", "218m"], "runs": 2, "K": 4, "K_ceiling": None, "timeout": 240,
-              "sections": ["b1", "b2", "b3", "peers"], "b2_K": [1, 2, 4, 8, 16],
+              "sections": ["b1", "b2", "b3", "placement", "peers"], "b2_K": [1, 2, 4, 8, 16],
               "per_regime": {"21m": {"prompt_len": 32, "warm": 4, "gen": 24, "threads": [1, 2],
                                      "drafts": ["c", "mlx"], "b2_repeats": 3, "peers_gen": 16},
                              "218m": {"prompt_len": 12, "warm": 2, "gen": 6, "threads": [1, 2],
                                       "drafts": ["c"], "b2_repeats": 2, "peers_gen": 0}}},
     "full": {"regimes": ["21m", "218m"], "runs": 3, "K": 4, "K_ceiling": 16, "timeout": 600,
-             "sections": ["b1", "b2", "b3", "peers"], "b2_K": [1, 2, 4, 8, 16],
+             "sections": ["b1", "b2", "b3", "placement", "peers"], "b2_K": [1, 2, 4, 8, 16],
              "per_regime": {"21m": {"prompt_len": 64, "warm": 8, "gen": 64, "threads": [1, 2],
                                     "drafts": ["c", "mlx"], "b2_repeats": 5, "peers_gen": 48},
                             "218m": {"prompt_len": 32, "warm": 4, "gen": 16, "threads": [1, 2],
@@ -50,6 +50,8 @@ LEVELS = {
 }
 DEFAULT_PROTOCOL = {"prompt_len": 32, "warm": 4, "gen": 16, "threads": [1, 2], "drafts": ["c", "mlx"],
                     "b2_repeats": 3, "peers_gen": 16}
+PLACEMENT_ALPHA = 0.6  # the projected figure of the calibration table (ranking is alpha-free)
+SECTIONS = ("b1", "b2", "b3", "placement", "peers")
 # sections measured once (in the first process run) rather than in every run
 ONCE = ("b1", "peers")
 
@@ -204,12 +206,38 @@ def run_section(section: str, job: dict, regime: dict) -> list:
     if section == "b3":
         from . import b3_decode
         return b3_decode.run(job, regime)
+    if section == "placement":
+        return run_placement(job, regime)
     if section == "peers":
         from . import peers
         return peers.run({"regime": job["regime"], "cfg": regime["cfg"], "prompt": regime["prompt"],
                           "gen_tokens": job["peers_gen"], "repeats": max(1, job["repeats"]),
                           "K": job["K"]})
     raise ValueError(f"unknown section {section!r}")
+
+
+def run_placement(job: dict, regime: dict) -> list:
+    """The calibration behind ``--placement auto``: c and v per placement, ranked."""
+    from spel_mlx.placement import calibrate_placement
+    from .b2_verify import get_model
+    ranked = calibrate_placement(get_model(regime), regime["weights"], k=job["K"],
+                                 threads=job["threads"], alpha=PLACEMENT_ALPHA,
+                                 prompt=regime["prompt"], reps=max(3, job["b2_repeats"]))
+    rows, rank = [], 0
+    for p in ranked:
+        fields = dict(regime=regime["name"], placement=p.name.rsplit(" threads=", 1)[0],
+                      threads=p.threads, K=p.k, mode="calibration")
+        if not p.available:
+            rows.append(unavailable("placement", "calibration", p.reason.replace("not available: ", ""),
+                                    **fields))
+            continue
+        rank += 1
+        rows.append(make_row("placement", "calibration", primary="round_cost",
+                             metrics={"rank": rank, "c": p.c, "v": p.v, "round_cost": p.round_cost,
+                                      "projected": p.projected, "ar_ms": p.ar_token_s * 1e3,
+                                      "draft_ms": p.draft_token_s * 1e3,
+                                      "verify_ms": p.verify_s * 1e3}, **fields))
+    return rows
 
 
 def run_b1(job: dict) -> list:
@@ -342,7 +370,7 @@ def parse_args(argv):
                                  "a temporary folder for --quick/--smoke)")
     p.add_argument("--runs", type=int, help="process runs for headline rows")
     p.add_argument("--regimes", help="comma list of 21m,218m,tiny")
-    p.add_argument("--sections", help="comma list of b1,b2,b3,peers")
+    p.add_argument("--sections", help="comma list of " + ",".join(SECTIONS))
     p.add_argument("--threads", help="draft thread counts, comma list (1..6)")
     p.add_argument("--K", type=int, help="speculation depth for B3 (1..16)")
     p.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
@@ -366,9 +394,9 @@ def level_params(args) -> tuple:
         params["regimes"] = regs
     if args.sections:
         secs = [s.strip() for s in args.sections.split(",") if s.strip()]
-        bad = [s for s in secs if s not in ("b1", "b2", "b3", "peers")]
+        bad = [s for s in secs if s not in SECTIONS]
         if bad:
-            raise ValueError(f"--sections: unknown {bad[0]!r} (known: b1, b2, b3, peers)")
+            raise ValueError(f"--sections: unknown {bad[0]!r} (known: {', '.join(SECTIONS)})")
         params["sections"] = secs
     if args.threads:
         try:
