@@ -7,6 +7,7 @@
  *            subtraction of sum(x) (the +1 offset), so no per-row extra data is needed
  *   dotprod  arm64 with FEAT_DotProd: code -> w in {-1,0,1} via vqtbl1q, then vdotq_s32
  *   addsub   arm64 baseline NEON: +1/-1 masks select the input, pairwise-add into int16
+ *   vnni     x86-64 with AVX512-VNNI/VL: the avx2 decode with vpdpbusd (u8 x s8 -> int32)
  * The SIMD ternary kernels read the canonical packing unchanged; the activation was
  * permuted to match once per GEMV (quant.c). */
 #include <string.h>
@@ -185,6 +186,100 @@ AVX2_FN static void q8_rows_avx2(const int8_t *q, int64_t stride, int64_t r0, in
     }
 }
 
+/* ------------------------------------------------------------------ VNNI
+ * x86 with AVX512-VNNI + AVX512VL (256-bit vpdpbusd): the x86 counterpart of vdotq_s32.
+ * Ternary: the same (w+1) shuffle decode as avx2, but vpdpbusd accumulates u8 x s8
+ * products straight into int32 (no int16 stage).  q8: the weight byte with its sign bit
+ * flipped is w+128 as u8, so vpdpbusd gives sum (w+128) x and 128 sum(x) is removed. */
+#define VNNI_FN __attribute__((target("avx2,fma,avx512f,avx512vl,avx512vnni")))
+
+VNNI_FN static inline void tern_pair_vnni(const uint8_t *pa, const uint8_t *pb, int64_t row_bytes,
+                                          const spel_act *a, int32_t *out_a, int32_t *out_b) {
+    const __m256i lut_lo = _mm256_setr_epi8(SPEL_LUT16(SPEL_LUT_LO), SPEL_LUT16(SPEL_LUT_LO));
+    const __m256i lut_hi = _mm256_setr_epi8(SPEL_LUT16(SPEL_LUT_HI), SPEL_LUT16(SPEL_LUT_HI));
+    const __m256i m4 = _mm256_set1_epi8(0x0F);
+    const int64_t npairs = row_bytes / 32;
+    const int8_t *xp = a->xperm;
+    __m256i a0 = _mm256_setzero_si256(), a1 = a0, a2 = a0, a3 = a0, b0 = a0, b1 = a0, b2 = a0, b3 = a0;
+    for (int64_t p = 0; p < npairs; p++) {
+        const int8_t *xb = xp + p * 128;
+        __m256i x0 = _mm256_loadu_si256((const __m256i *)(xb));
+        __m256i x1 = _mm256_loadu_si256((const __m256i *)(xb + 32));
+        __m256i x2 = _mm256_loadu_si256((const __m256i *)(xb + 64));
+        __m256i x3 = _mm256_loadu_si256((const __m256i *)(xb + 96));
+        __m256i va = _mm256_loadu_si256((const __m256i *)(pa + p * 32));
+        __m256i vb = _mm256_loadu_si256((const __m256i *)(pb + p * 32));
+        __m256i la = _mm256_and_si256(va, m4), ha = _mm256_and_si256(_mm256_srli_epi16(va, 4), m4);
+        __m256i lb = _mm256_and_si256(vb, m4), hb = _mm256_and_si256(_mm256_srli_epi16(vb, 4), m4);
+        a0 = _mm256_dpbusd_epi32(a0, _mm256_shuffle_epi8(lut_lo, la), x0);
+        a1 = _mm256_dpbusd_epi32(a1, _mm256_shuffle_epi8(lut_hi, la), x1);
+        a2 = _mm256_dpbusd_epi32(a2, _mm256_shuffle_epi8(lut_lo, ha), x2);
+        a3 = _mm256_dpbusd_epi32(a3, _mm256_shuffle_epi8(lut_hi, ha), x3);
+        b0 = _mm256_dpbusd_epi32(b0, _mm256_shuffle_epi8(lut_lo, lb), x0);
+        b1 = _mm256_dpbusd_epi32(b1, _mm256_shuffle_epi8(lut_hi, lb), x1);
+        b2 = _mm256_dpbusd_epi32(b2, _mm256_shuffle_epi8(lut_lo, hb), x2);
+        b3 = _mm256_dpbusd_epi32(b3, _mm256_shuffle_epi8(lut_hi, hb), x3);
+    }
+    int32_t da = hsum256_epi32(_mm256_add_epi32(_mm256_add_epi32(a0, a1), _mm256_add_epi32(a2, a3)));
+    int32_t db = hsum256_epi32(_mm256_add_epi32(_mm256_add_epi32(b0, b1), _mm256_add_epi32(b2, b3)));
+    if ((row_bytes / 16) & 1) {   /* odd last 64-weight block at 128 bits */
+        const __m128i llo = _mm256_castsi256_si128(lut_lo), lhi = _mm256_castsi256_si128(lut_hi);
+        const __m128i m4s = _mm_set1_epi8(0x0F);
+        const int8_t *xb = xp + npairs * 128;
+        __m128i x0 = _mm_loadu_si128((const __m128i *)xb), x1 = _mm_loadu_si128((const __m128i *)(xb + 16));
+        __m128i x2 = _mm_loadu_si128((const __m128i *)(xb + 32)), x3 = _mm_loadu_si128((const __m128i *)(xb + 48));
+        for (int h = 0; h < 2; h++) {
+            __m128i v = _mm_loadu_si128((const __m128i *)((h ? pb : pa) + npairs * 32));
+            __m128i lo = _mm_and_si128(v, m4s), hi = _mm_and_si128(_mm_srli_epi16(v, 4), m4s);
+            __m128i s = _mm_dpbusd_epi32(_mm_setzero_si128(), _mm_shuffle_epi8(llo, lo), x0);
+            s = _mm_dpbusd_epi32(s, _mm_shuffle_epi8(lhi, lo), x1);
+            s = _mm_dpbusd_epi32(s, _mm_shuffle_epi8(llo, hi), x2);
+            s = _mm_dpbusd_epi32(s, _mm_shuffle_epi8(lhi, hi), x3);
+            s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4E));
+            s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xB1));
+            if (h) db += _mm_cvtsi128_si32(s); else da += _mm_cvtsi128_si32(s);
+        }
+    }
+    *out_a = da - a->sum;
+    *out_b = db - a->sum;
+}
+
+VNNI_FN static void tern_rows_vnni(const uint8_t *packed, int64_t row_bytes, int64_t r0, int64_t r1,
+                                   const spel_act *a, int32_t *out) {
+    int64_t r = r0;
+    for (; r + 2 <= r1; r += 2)
+        tern_pair_vnni(packed + r * row_bytes, packed + (r + 1) * row_bytes, row_bytes, a,
+                       &out[r - r0], &out[r - r0 + 1]);
+    if (r < r1) {
+        int32_t dup;
+        tern_pair_vnni(packed + r * row_bytes, packed + r * row_bytes, row_bytes, a, &out[r - r0], &dup);
+    }
+}
+
+VNNI_FN static void q8_rows_vnni(const int8_t *q, int64_t stride, int64_t r0, int64_t r1,
+                                 const spel_act *a, int32_t *out) {
+    const __m256i flip = _mm256_set1_epi8((char)0x80);
+    const int8_t *x = a->xq;
+    const int64_t n32 = a->npad / 32;   /* npad is a multiple of 64 */
+    for (int64_t r = r0; r < r1; r++) {
+        const int8_t *w = q + r * stride;
+        __m256i acc0 = _mm256_setzero_si256(), acc1 = acc0;
+        for (int64_t i = 0; i < n32; i += 2) {
+            __m256i w0 = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(w + 32 * i)), flip);
+            __m256i w1 = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(w + 32 * i + 32)), flip);
+            acc0 = _mm256_dpbusd_epi32(acc0, w0, _mm256_loadu_si256((const __m256i *)(x + 32 * i)));
+            acc1 = _mm256_dpbusd_epi32(acc1, w1, _mm256_loadu_si256((const __m256i *)(x + 32 * i + 32)));
+        }
+        out[r - r0] = hsum256_epi32(_mm256_add_epi32(acc0, acc1)) - 128 * a->sum;
+    }
+}
+
+static int cpu_has_vnni(void) {
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("avx512vl") &&
+           __builtin_cpu_supports("avx512vnni");
+}
+
 static int cpu_has_avx2(void) {
     __builtin_cpu_init();
     return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
@@ -298,7 +393,7 @@ static int cpu_has_dotprod(void) {
 #endif /* __aarch64__ */
 
 /* --------------------------------------------------------------- selection */
-static const char *const NAMES[SPEL_KERNEL_COUNT] = {"scalar", "avx2", "dotprod", "addsub"};
+static const char *const NAMES[SPEL_KERNEL_COUNT] = {"scalar", "avx2", "dotprod", "addsub", "vnni"};
 
 const char *spel_kernel_name(int kernel) {
     return kernel >= 0 && kernel < SPEL_KERNEL_COUNT ? NAMES[kernel] : "unknown";
@@ -309,6 +404,7 @@ int spel_kernel_available(int kernel) {
     case SPEL_KERNEL_SCALAR: return 1;
 #ifdef SPEL_X86
     case SPEL_KERNEL_AVX2: return cpu_has_avx2();
+    case SPEL_KERNEL_VNNI: return cpu_has_vnni();
 #endif
 #if defined(__aarch64__)
     case SPEL_KERNEL_DOTPROD: return cpu_has_dotprod();
@@ -320,8 +416,8 @@ int spel_kernel_available(int kernel) {
 
 int spel_kernel_resolve(int kernel) {
     if (kernel == SPEL_KERNEL_AUTO) {
-        static const int order[] = {SPEL_KERNEL_DOTPROD, SPEL_KERNEL_AVX2, SPEL_KERNEL_ADDSUB};
-        for (int i = 0; i < 3; i++)
+        static const int order[] = {SPEL_KERNEL_DOTPROD, SPEL_KERNEL_VNNI, SPEL_KERNEL_AVX2, SPEL_KERNEL_ADDSUB};
+        for (int i = 0; i < 4; i++)
             if (spel_kernel_available(order[i])) return order[i];
         return SPEL_KERNEL_SCALAR;
     }
@@ -332,6 +428,7 @@ spel_tern_rows_fn spel_tern_kernel(int kernel) {
     switch (kernel) {
 #ifdef SPEL_X86
     case SPEL_KERNEL_AVX2: return tern_rows_avx2;
+    case SPEL_KERNEL_VNNI: return tern_rows_vnni;
 #endif
 #if defined(__aarch64__)
     case SPEL_KERNEL_DOTPROD: return tern_rows_dotprod;
@@ -345,6 +442,7 @@ spel_q8_rows_fn spel_q8_kernel(int kernel) {
     switch (kernel) {
 #ifdef SPEL_X86
     case SPEL_KERNEL_AVX2: return q8_rows_avx2;
+    case SPEL_KERNEL_VNNI: return q8_rows_vnni;
 #endif
 #if defined(__aarch64__)
     case SPEL_KERNEL_DOTPROD: return q8_rows_dotprod;

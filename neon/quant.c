@@ -95,7 +95,7 @@ static void permute_for_kernel(const int8_t *xq, int64_t npad, int kernel, int8_
         return;
     }
     int64_t b = 0;
-    if (kernel == SPEL_KERNEL_AVX2) {
+    if (kernel == SPEL_KERNEL_AVX2 || kernel == SPEL_KERNEL_VNNI) {
         for (; b + 1 < nb; b += 2) {
             int8_t *dst = xp + b * SPEL_PAD;
             for (int k = 0; k < 4; k++)

@@ -11,7 +11,8 @@ enum {
     SPEL_KERNEL_AVX2 = 1,
     SPEL_KERNEL_DOTPROD = 2,
     SPEL_KERNEL_ADDSUB = 3,
-    SPEL_KERNEL_COUNT = 4
+    SPEL_KERNEL_VNNI = 4,
+    SPEL_KERNEL_COUNT = 5
 };
 
 const char *spel_kernel_name(int kernel);

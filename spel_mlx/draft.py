@@ -23,7 +23,7 @@ except ImportError as _e:  # pragma: no cover - depends on the build
 else:
     _IMPORT_ERROR = None
 
-KERNELS = ("scalar", "avx2", "dotprod", "addsub")
+KERNELS = ("scalar", "avx2", "dotprod", "addsub", "vnni")   # index = C kernel id
 MAX_THREADS = 6
 
 
@@ -36,7 +36,7 @@ def _lib():
 
 
 def kernel_id(kernel) -> int:
-    """'auto' | 'scalar' | 'avx2' | 'dotprod' | 'addsub' (or an int id) -> C id."""
+    """'auto' | 'scalar' | 'avx2' | 'vnni' | 'dotprod' | 'addsub' (or an int id) -> C id."""
     if isinstance(kernel, (int, np.integer)):
         return int(kernel)
     if kernel in (None, "auto"):

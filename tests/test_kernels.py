@@ -30,7 +30,10 @@ def test_kernel_report():
     if os.path.exists("/proc/cpuinfo"):
         flags = open("/proc/cpuinfo").read().split()
     if platform.machine() == "x86_64" and "avx2" in flags and "fma" in flags:
-        assert "avx2" in KERNELS and draft.auto_kernel() == "avx2"
+        assert "avx2" in KERNELS
+        vnni = "avx512_vnni" in flags and "avx512vl" in flags
+        assert ("vnni" in KERNELS) == vnni
+        assert draft.auto_kernel() == ("vnni" if vnni else "avx2")
 
 
 @pytest.mark.parametrize("rows,cols", SHAPES)
