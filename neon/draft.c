@@ -24,10 +24,15 @@
 #define ROWS_CHUNK 256
 
 /* ---------------------------------------------------------------- helpers */
-static void *alloc64(size_t n) {
+static void *alloc64_raw(size_t n) {
     void *p = NULL;
     if (posix_memalign(&p, 64, n ? n : 64) != 0) return NULL;
-    memset(p, 0, n ? n : 64);
+    return p;
+}
+
+static void *alloc64(size_t n) {
+    void *p = alloc64_raw(n);
+    if (p) memset(p, 0, n ? n : 64);
     return p;
 }
 
@@ -236,8 +241,9 @@ spel_draft *spel_draft_new(const spel_draft_config *cfg, const int *kinds) {
             L->ring_tail = alloc64(4 * (size_t)d->R * 2 * dm);
             if (!L->ring_S || !L->ring_tail) { snprintf(d->err, sizeof d->err, "out of memory (GDN ring)"); return d; }
         } else {
-            L->kcache = alloc64(4 * (size_t)cfg->max_seq * inner);
-            L->vcache = alloc64(4 * (size_t)cfg->max_seq * inner);
+            /* not zeroed: only positions <= pos are ever read, and those were written */
+            L->kcache = alloc64_raw(4 * (size_t)cfg->max_seq * inner);
+            L->vcache = alloc64_raw(4 * (size_t)cfg->max_seq * inner);
             if (!L->kcache || !L->vcache) { snprintf(d->err, sizeof d->err, "out of memory (KV cache)"); return d; }
         }
     }
