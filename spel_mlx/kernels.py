@@ -83,7 +83,7 @@ def supports(kind: str, head_dim: int) -> bool:
     if kind == "attend":
         return head_dim in (32, 64, 128)
     if kind == "delta":
-        return head_dim % 32 == 0 and 32 <= head_dim <= 256
+        return head_dim in (32, 64, 128)
     return True
 
 
@@ -279,7 +279,7 @@ class _KernelOps:
         """L2-normalize q, k (eps inside the norm), sigmoid the logits, then delta_rule."""
         hd = q_raw.shape[-1]
         if not supports("delta", hd):
-            raise ValueError("delta_rule_fused: head_dim %d unsupported (multiple of 32, <= 256)" % hd)
+            raise ValueError("delta_rule_fused: head_dim %d unsupported (32, 64 or 128)" % hd)
         o, s_all = self._ex.run(plan_delta(self._in(q_raw), self._in(k_raw), self._in(v),
                                            self._in(decay_logit), self._in(beta_logit),
                                            self._in(S0), fused=True))

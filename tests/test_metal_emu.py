@@ -18,9 +18,9 @@ HAVE_CXX = bool(os.environ.get("CXX") or shutil.which("g++") or shutil.which("cl
 
 # (M, H, hd): edge shapes M = 1 and M = 17, several head counts; H >= 8 moves the
 # per-head gates from the constant to the device address space in the signature.
-DELTA_CASES = [(1, 2, 32), (5, 3, 64), (17, 1, 32), (2, 8, 32)]
+DELTA_CASES = [(1, 2, 32), (5, 3, 64), (17, 1, 32), (2, 8, 32), (2, 1, 128)]
 # (M, H, hd, pos0); pos0 = 1100 crosses attn_verify's 1024-key chunk
-ATTN_CASES = [(1, 2, 32, 0), (5, 3, 64, 20), (17, 2, 32, 3), (3, 1, 64, 1100)]
+ATTN_CASES = [(1, 2, 32, 0), (5, 3, 64, 20), (17, 2, 32, 3), (3, 1, 64, 1100), (2, 1, 128, 6)]
 CONV_CASES = [(1, 64), (5, 100), (17, 48)]
 # (N vectors, rows, cols): odd rows (RPS tail), N = 5 (NV = 4 tail), cols padded to 64
 TERN_CASES = [(1, 37, 100), (5, 64, 192), (1, 8, 64)]
@@ -133,6 +133,12 @@ def ops():
     return o
 
 
+@pytest.fixture(scope="module")
+def fib(ops):
+    """The same compiled kernels with fiber lanes: for the tests that make many dispatches."""
+    return kernels.EmulatedOps(numpy_out=True, lanes="fibers")
+
+
 # ---- the generated signature is MLX's ------------------------------------------------------
 def test_generated_signature_has_mlx_form():
     build = kernels._emu_module()
@@ -204,22 +210,22 @@ def test_delta_rule_fused_norm_and_gates(ops, M, H, hd):
     assert np.abs(S_all - rS).max() < 1e-5
 
 
-def test_gdn_batch_equals_token_by_token(ops):
+def test_gdn_batch_equals_token_by_token(fib):
     """The strict-mode property at kernel level: M tokens at once == M calls of one token."""
     M, H, hd = 5, 3, 64
     q, k, v, a, b, S0 = delta_inputs(M, H, hd, seed=3)
-    o, S_all = ops.delta_rule(q, k, v, a, b, S0)
+    o, S_all = fib.delta_rule(q, k, v, a, b, S0)
     S = S0
     for j in range(M):
-        oj, Sj = ops.delta_rule(q[j:j + 1], k[j:j + 1], v[j:j + 1], a, b, S)
+        oj, Sj = fib.delta_rule(q[j:j + 1], k[j:j + 1], v[j:j + 1], a, b, S)
         assert np.array_equal(oj[0], o[j]) and np.array_equal(Sj[0], S_all[j])
         S = Sj[0]
     r = _rng(4)
     x, tail, conv = (r.standard_normal(s).astype(np.float32) for s in ((M, 100), (2, 100), (3, 100)))
-    u, tails = ops.conv_step(x, tail, conv)
+    u, tails = fib.conv_step(x, tail, conv)
     t = tail
     for j in range(M):
-        uj, tj = ops.conv_step(x[j:j + 1], t, conv)
+        uj, tj = fib.conv_step(x[j:j + 1], t, conv)
         assert np.array_equal(uj[0], u[j]) and np.array_equal(tj[0], tails[j])
         t = tj[0]
 
@@ -246,34 +252,34 @@ def test_attend_rope_fused(ops, M, H, hd, pos0):
     assert np.abs(o - ref).max() < 5e-5
 
 
-def test_attend_batch_equals_query_by_query(ops):
+def test_attend_batch_equals_query_by_query(fib):
     M, H, hd, pos0 = 17, 2, 32, 3
     q, kc, vc = attn_inputs(M, H, hd, pos0, seed=5)
-    o = ops.attend(q, kc, vc, pos0, M)
+    o = fib.attend(q, kc, vc, pos0, M)
     for j in range(M):
-        oj = ops.attend(q[j:j + 1], kc, vc, pos0 + j, 1)
+        oj = fib.attend(q[j:j + 1], kc, vc, pos0 + j, 1)
         assert np.array_equal(oj[0], o[j])
 
 
 # ---- against the model's MLX-ops path ------------------------------------------------------
-def test_matches_model_mlx_ops(ops):
+def test_matches_model_mlx_ops(fib):
     from spel_mlx.model import MLXOps
     ref = MLXOps()
     M, H, hd = 5, 3, 64
     q, k, v, a, b, S0 = delta_inputs(M, H, hd, seed=11)
-    o, S_all = ops.delta_rule(q, k, v, a, b, S0)
+    o, S_all = fib.delta_rule(q, k, v, a, b, S0)
     mo, mS = ref.delta_rule(*(mx.array(t) for t in (q, k, v, a, b, S0)))
     assert np.abs(o - np.array(mo)).max() < 1e-5 and np.abs(S_all - np.array(mS)).max() < 1e-5
     r = _rng(12)
     x, tail, conv = (r.standard_normal(s).astype(np.float32) for s in ((17, 48), (2, 48), (3, 48)))
-    u, tails = ops.conv_step(x, tail, conv)
+    u, tails = fib.conv_step(x, tail, conv)
     mu, mt = ref.conv_step(*(mx.array(t) for t in (x, tail, conv)))
     assert np.abs(u - np.array(mu)).max() < 2e-6 and np.array_equal(tails, np.array(mt))
     for M, H, hd, pos0 in ATTN_CASES:
         q, kc, vc = attn_inputs(M, H, hd, pos0, seed=13)
         n = pos0 + M
         mo = ref.attend(mx.array(q), mx.array(kc[:n]), mx.array(vc[:n]), pos0, M)
-        assert np.abs(ops.attend(q, kc, vc, pos0, M) - np.array(mo)).max() < 2e-5
+        assert np.abs(fib.attend(q, kc, vc, pos0, M) - np.array(mo)).max() < 2e-5
 
 
 # ---- ternary ------------------------------------------------------------------------------
