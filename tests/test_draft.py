@@ -16,6 +16,8 @@ from reference_quant import draft_logits_reference  # noqa: E402
 
 SMALL = ModelConfig(d_model=128, n_heads=2, head_dim=64, d_ff=256, max_seq=64)
 DEFAULT = ModelConfig(max_seq=256)          # the 21m shape, short cache
+# widths that are not multiples of 64 (padding paths), an odd head_dim, another draft_map
+ODD = ModelConfig(d_model=100, n_heads=3, head_dim=30, d_ff=70, max_seq=20, draft_map=(3, 0, 1))
 
 
 def random_weights(cfg, seed):
@@ -65,10 +67,11 @@ def rss_kib():
     return 0
 
 
-@pytest.mark.parametrize("which", ["small", "default"])
+@pytest.mark.parametrize("which", ["small", "default", "odd"])
 def test_matches_quantized_reference(which, small_weights):
     """16 golden positions: max abs < 1e-3 and the same argmax as the float64 reference."""
-    cfg, w = (SMALL, small_weights) if which == "small" else (DEFAULT, random_weights(DEFAULT, 3))
+    cfg, w = {"small": (SMALL, small_weights), "default": (DEFAULT, random_weights(DEFAULT, 3)),
+              "odd": (ODD, random_weights(ODD, 1))}[which]
     toks = golden_tokens(cfg)
     with draft.CDraft(cfg, w, threads=1) as d:
         got = d.forward_logits(toks)
