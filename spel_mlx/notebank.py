@@ -634,7 +634,12 @@ def needle_document(tokenizer, n_tokens: int = 384, n_needles: int = 3, chunk: i
         tokens += filler(at - len(tokens))
         q = tokenizer.encode(f"?{key}=")
         full = tokenizer.encode(f"?{key}={value}")
-        vt = full[len(q)] if full[:len(q)] == q and len(full) > len(q) else tokenizer.encode(value)[0]
+        # the query ends where the value's first token starts in the joint tokenization
+        # (a subword tokenizer may merge across "=" and the value)
+        j = 0
+        while j < min(len(q), len(full) - 1) and q[j] == full[j]:
+            j += 1
+        q, vt = (full[:j], full[j]) if j else (q, tokenizer.encode(value)[0])
         needles.append(Needle(key, value, len(tokens), len(tokens) + len(text), q, vt))
         tokens += text
     tokens += filler(n_tokens - len(tokens))
