@@ -115,8 +115,11 @@ def sparse_projection(n_channels: int, head_dim: int, coords: int = 16, seed: in
 
 def _unit(x: np.ndarray, axis: int = -1) -> np.ndarray:
     """x / |x| along axis; a zero vector stays zero (it then scores 0 everywhere)."""
-    n = np.linalg.norm(x, axis=axis, keepdims=True)
-    return np.where(n > 0, x / np.where(n > 0, n, 1), 0).astype(np.float32)
+    x = np.asarray(x, np.float32)
+    n = np.sqrt(np.einsum("...i,...i->...", x, x) if axis in (-1, x.ndim - 1)
+                else (x * x).sum(axis=axis))
+    n = np.expand_dims(n, axis)
+    return np.divide(x, n, out=np.zeros_like(x), where=n > 0)
 
 
 # --------------------------------------------------------------------------- writer
