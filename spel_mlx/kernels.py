@@ -54,6 +54,7 @@ KERNELS = {
         KernelDef("attn_verify", ("q", "k_cache", "v_cache", "pos0", "inv_freq"), ("o",)),
         KernelDef("tern_act_quant", ("x", "cp"), ("xq", "sx")),
         KernelDef("tern_gemv", ("w", "ws", "xq", "sx"), ("y",)),
+        KernelDef("q8_gemv", ("w", "ws", "xq", "sx"), ("y",)),
     )
 }
 HEADER_FILE = "spel_common.h"
@@ -130,12 +131,12 @@ def plan_act_quant(x, cp_scalar, cp: int) -> Launch:
                   [(N, cp), (N,)], [np.int8, np.float32])
 
 
-def plan_gemv(w, ws, xq, sx) -> Launch:
+def plan_gemv(w, ws, xq, sx, kernel="tern_gemv") -> Launch:
     R = w.shape[0]
     N = xq.shape[0]
     nv = 1 if N == 1 else 4
     groups = (R + GEMV_ROWS_PER_SIMD - 1) // GEMV_ROWS_PER_SIMD
-    return Launch("tern_gemv", [w, ws, xq, sx], [("NV", nv)],
+    return Launch(kernel, [w, ws, xq, sx], [("NV", nv)],
                   (32, _ceil_to(groups, GEMV_SIMD_PER_GROUP), (N + nv - 1) // nv),
                   (32, GEMV_SIMD_PER_GROUP, 1), [(N, R)], [np.float32])
 
@@ -336,7 +337,28 @@ class _KernelOps:
         y = self._out(y)
         return y.reshape(-1) if vec else y
 
+    def q8_matmul(self, x, q, scales):
+        """y [N, R] = per-vector int8 x times q8 rows (int8 [R, C], or already padded to
+        [R, ceil(C/64)*64] by pad_q8_rows, which saves a copy per call); 1-D x gives y [R]."""
+        vec = len(x.shape) == 1
+        x2 = x.reshape(1, -1) if vec else x
+        xq, sx = self.quantize_activations(x2)
+        cp = int(xq.shape[1])
+        w = self._in(q, np.int8)
+        if int(w.shape[1]) != cp:
+            if int(w.shape[1]) != int(x2.shape[1]):
+                raise ValueError("q8_matmul: rows have %d columns, activations %d"
+                                 % (int(w.shape[1]), int(x2.shape[1])))
+            w = self._pad_cols(w, cp)
+        (y,) = self._ex.run(plan_gemv(w, self._in(scales), self._in(xq, np.int8), self._in(sx),
+                                      kernel="q8_gemv"))
+        y = self._out(y)
+        return y.reshape(-1) if vec else y
+
     def _words(self, w_packed):
+        raise NotImplementedError
+
+    def _pad_cols(self, w, cols):
         raise NotImplementedError
 
     def _unsupported(self, what, hd, *args):
@@ -379,6 +401,9 @@ class MetalOps(_KernelOps):
             w = mx.view(w, mx.uint32)
         return w
 
+    def _pad_cols(self, w, cols):
+        return mx.pad(w, [(0, 0), (0, cols - int(w.shape[1]))])
+
 
 class EmulatedOps(_KernelOps):
     """The kernel bodies compiled as C++ and run on the CPU (tests / diagnostics only).
@@ -420,8 +445,20 @@ class EmulatedOps(_KernelOps):
         w = np.ascontiguousarray(np.asarray(w_packed))
         return w.view(np.uint32) if w.dtype == np.uint8 else w.astype(np.uint32, copy=False)
 
+    def _pad_cols(self, w, cols):
+        return pad_q8_rows(w)
+
     def _unsupported(self, what, hd, *args):
         raise ValueError("%s: head_dim %d is outside what the kernels support" % (what, hd))
+
+
+def pad_q8_rows(q) -> np.ndarray:
+    """q8 rows int8 [R, C] -> [R, ceil(C/64)*64] with zero columns (q8_gemv's layout)."""
+    q = np.asarray(q, dtype=np.int8)
+    cp = _ceil_to(max(int(q.shape[1]), 1), 64)
+    out = np.zeros((q.shape[0], cp), np.int8)
+    out[:, :q.shape[1]] = q
+    return out
 
 
 # ---- MLX's own 2-bit affine format as the ternary baseline -------------------------------

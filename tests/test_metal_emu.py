@@ -128,8 +128,9 @@ def ops():
             o.attend(q, kc, vc, case[3], case[0])
             o.attend_rope(q, kc, vc, case[3], case[0], kernels.rope_inv_freq(case[2], 1e4))
         for N, R, C in TERN_CASES:
-            packed, _, s, x = tern_inputs(N, R, C)
+            packed, t, s, x = tern_inputs(N, R, C)
             o.ternary_matmul(x, packed, s)
+            o.q8_matmul(x, t, s)
     return o
 
 
@@ -299,6 +300,19 @@ def test_ternary_matmul_bit_exact(ops, N, R, C):
     assert np.array_equal(sx, rs)
     y1 = ops.ternary_matmul(x[-1], packed.view(np.uint32), s)     # 1-D x, uint32 view
     assert np.array_equal(y1, y[-1])
+
+
+@pytest.mark.parametrize("N,R,C", TERN_CASES)
+def test_q8_matmul_bit_exact(ops, N, R, C):
+    r = _rng(60 + N)
+    wf = r.standard_normal((R, C)).astype(np.float32)
+    q, s = quant.quantize_q8(wf)
+    x = r.standard_normal((N, C)).astype(np.float32)
+    y = ops.q8_matmul(x, q, s)
+    assert y.shape == (N, R)
+    for n in range(N):
+        assert np.array_equal(y[n], quant.gemv_q8_ref(q, s, x[n])), n
+    assert np.array_equal(ops.q8_matmul(x[0], kernels.pad_q8_rows(q), s), y[0])
 
 
 def test_mlx_affine_2bit_represents_ternary_exactly():
