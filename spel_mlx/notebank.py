@@ -757,10 +757,15 @@ def _demo_spec(model, bank, tokens, needle, tokenizer, n: int) -> dict:
     prompt = list(tokens) + replay + list(needle.query)
     if len(prompt) + n + 1 > model.cfg.max_seq:
         return {"skipped": f"prompt of {len(prompt)} tokens + {n} exceeds max_seq"}
-    ar = spec.SpeculativeDecoder(model, None, mode="ar", k=model.cfg.spec_k)
+    K = model.cfg.spec_k
+    ar = spec.SpeculativeDecoder(model, None, mode="ar", k=K)
     ar_out = ar.generate(prompt, n)
-    draft = spec.ModelDraft(model, "draft", ring=model.cfg.spec_k + 1)
-    sd = spec.SpeculativeDecoder(model, draft, mode="spec", k=model.cfg.spec_k)
+    # the C ternary/q8 draft (SPEC 3) when it is built, else the FP32 MLX draft layers
+    try:
+        draft, draft_name = spec.make_draft("c", model, model.weights_dict(), k=K), "C ternary/q8"
+    except (ImportError, OSError, ValueError):
+        draft, draft_name = spec.make_draft("mlx", model, k=K), "MLX FP32"
+    sd = spec.SpeculativeDecoder(model, draft, mode="spec", k=K)
     try:
         t0 = time.perf_counter()
         sp_out = sd.generate(prompt, n)
@@ -768,7 +773,7 @@ def _demo_spec(model, bank, tokens, needle, tokenizer, n: int) -> dict:
     finally:
         sd.close()
     st = sd.stats
-    return {"tokens": len(sp_out), "matches_ar": sp_out == ar_out,
+    return {"tokens": len(sp_out), "matches_ar": sp_out == ar_out, "draft": draft_name, "k": K,
             "agree": sum(a == b for a, b in zip(sp_out, ar_out)),
             "alpha": float(st.alpha), "tokens_per_round": float(st.tokens_per_round),
             "seconds": dt, "answer": tokenizer.decode(sp_out), "value": needle.value,
@@ -810,7 +815,7 @@ def format_table(res: dict, label: str) -> str:
     elif sp:
         rows.append(("spec run on the answer",
                      f"{sp['agree']}/{sp['tokens']} tokens = AR; alpha={sp['alpha']:.3f}; "
-                     f"{sp['tokens_per_round']:.2f} tok/round"))
+                     f"{sp['tokens_per_round']:.2f} tok/round ({sp['draft']} draft, K={sp['k']})"))
         rows.append(("spec answer", repr(sp["answer"][:40]) + f" (value {sp['value']})"))
     w = max(len(a) for a, _ in rows)
     out = [f"NoteBank needle demo: {label}", "-" * (w + 40)]
