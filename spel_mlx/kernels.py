@@ -192,8 +192,12 @@ def _emu_module():
                            "checkout's tests/metal_emu; set SPEL_METAL_EMU_DIR)" % path)
     spec = importlib.util.spec_from_file_location("spel_metal_emu_build", path)
     mod = importlib.util.module_from_spec(spec)
-    sys.modules["spel_metal_emu_build"] = mod
-    spec.loader.exec_module(mod)
+    sys.modules["spel_metal_emu_build"] = mod  # before exec: its dataclasses look it up
+    try:
+        spec.loader.exec_module(mod)
+    except BaseException:
+        del sys.modules["spel_metal_emu_build"]
+        raise
     return mod
 
 

@@ -14,6 +14,9 @@ from spel_mlx import kernels, quant
 
 from conftest import require_or_skip
 
+# the harness next to this file, also when spel_mlx is installed non-editable
+os.environ.setdefault("SPEL_METAL_EMU_DIR", os.path.join(os.path.dirname(os.path.abspath(__file__)),
+                                                         "metal_emu"))
 HAVE_CXX = bool(os.environ.get("CXX") or shutil.which("g++") or shutil.which("clang++"))
 
 # (M, H, hd): edge shapes M = 1 and M = 17, several head counts; H >= 8 moves the
