@@ -391,3 +391,19 @@ def test_incremental_writes_use_absolute_positions(toy):
     with pytest.raises(nb.NoteBankError, match="uncommitted"):
         model.forward([1], st)
         parts.write(st, [2])
+
+
+def test_needle_document_with_subword_tokenizer():
+    from spel_mlx.tokenizer import DEFAULT_SP_MODEL, SentencePieceTokenizer
+    import os
+    if not os.path.isfile(DEFAULT_SP_MODEL):
+        pytest.skip("no shipped SentencePiece model")
+    tok = SentencePieceTokenizer(DEFAULT_SP_MODEL)
+    tokens, needles = nb.needle_document(tok, 384, 3, 128, seed=1)
+    assert len(tokens) == 384
+    for i, n in enumerate(needles):
+        assert tok.decode(tokens[n.start:n.end]) == f"KEY_{i + 1}={n.value};"
+        # the query ends exactly where the value's first token begins
+        joint = tok.encode(f"?KEY_{i + 1}={n.value}")
+        assert joint[:len(n.query)] == n.query and joint[len(n.query)] == n.value_token
+        assert tok.decode(n.query + [n.value_token]).startswith(f"?KEY_{i + 1}=")
