@@ -615,7 +615,8 @@ class Needle:
 def needle_document(tokenizer, n_tokens: int = 384, n_needles: int = 3, chunk: int = 128,
                     seed: int = 0):
     """Filler text over a small common alphabet with ``n_needles`` ``KEY_n=VALUE;``
-    needles planted, one per chunk at a random offset. Segments are tokenized
+    needles planted, one per chunk (or per equal share of the context when
+    ``n_needles`` chunks do not fit) at a seeded offset. Segments are tokenized
     separately so every needle's token range is exact. Returns (tokens, needles)."""
     rng = np.random.default_rng(seed)
 
@@ -626,7 +627,8 @@ def needle_document(tokenizer, n_tokens: int = 384, n_needles: int = 3, chunk: i
                                               rng.integers(0, len(FILLER_WORDS), 8)) + " ")
         return toks[:n]
 
-    span = max(1, n_tokens // max(1, n_needles))
+    # one needle per chunk when the chunks fit, else evenly spread
+    span = chunk if n_needles * chunk <= n_tokens else max(1, n_tokens // max(1, n_needles))
     tokens: list = []
     needles = []
     for i in range(n_needles):
@@ -647,23 +649,6 @@ def needle_document(tokenizer, n_tokens: int = 384, n_needles: int = 3, chunk: i
         tokens += text
     tokens += filler(n_tokens - len(tokens))
     return tokens, needles
-
-
-def _greedy_decode(model, state, first_logits, n: int, strict: bool = True):
-    """n greedy tokens after a state whose last logits are ``first_logits``; returns
-    (tokens, list of logits rows as numpy)."""
-    import mlx.core as mx
-    toks, rows = [], []
-    logits = np.asarray(first_logits, np.float32)
-    for _ in range(n):
-        t = int(np.argmax(logits))
-        toks.append(t)
-        out = model.forward([t], state, strict=strict)
-        state.commit(1)
-        mx.eval(out)
-        logits = np.asarray(out[-1], np.float32)
-        rows.append(logits)
-    return toks, rows
 
 
 def run_demo(model, tokenizer, cfg: NoteBankConfig | None = None, n_tokens: int = 384,
@@ -808,6 +793,7 @@ def format_table(res: dict, label: str) -> str:
         ("token replay time", ms(res["replay_ms"]["tokens"])),
         ("native replay time (payload cached)", ms(res["replay_ms"]["native"])),
         ("native payload / note", f"{res['native_payload_bytes_each']:,} B (FP32 S, all GDN layers)"),
+        ("native payloads, compute at write", f"{res['native_payload_ms']:.1f} ms"),
     ]
     sp = res.get("spec", {})
     if "skipped" in sp:
