@@ -99,15 +99,27 @@ class MLXOps:
         first W cache rows (W >= pos0+M) with this batch's k/v already written
         at pos0..pos0+M-1.  Query j sees positions <= pos0+j; rows past that
         are stale and masked.  pos0 is an int or an int32 scalar array (inside
-        the compiled step).  Score scale sqrt(hd) (SPEC 2).  Returns [M,H,hd].
+        the compiled pass).  Score scale sqrt(hd) (SPEC 2).  Returns [M,H,hd].
+
+        The cache is read as a contiguous [W*H, hd] / [W, H*hd] matrix and every
+        query meets every head (H times the FLOPs, a few MFLOP); the head-matched
+        diagonal is then picked out.  This avoids transposing (copying) the
+        cache window, which dominated long-context decoding.
         """
-        hd = q.shape[-1]
-        W = k_cache.shape[0]
-        s = (q.transpose(1, 0, 2) @ k_cache.transpose(1, 2, 0)) * math.sqrt(hd)   # [H,M,W]
-        last = mx.arange(M)[:, None] + pos0                                     # [M,1]
-        s = mx.where(mx.arange(W)[None, :] <= last, s, -mx.inf)
-        p = mx.softmax(s, axis=-1)
-        return (p @ v_cache.transpose(1, 0, 2)).transpose(1, 0, 2)
+        W, H, hd = k_cache.shape
+        R = k_cache.reshape(W * H, hd) @ q.reshape(M * H, hd).T        # [(w,h), (j,h')]
+        if M == 1:
+            s = R.reshape(W, H * H)[:, ::H + 1]                           # h == h': [W,H]
+            s = mx.where(mx.arange(W)[:, None] <= pos0, s * math.sqrt(hd), -mx.inf)
+            p = mx.softmax(s, axis=0)                                     # [W,H]
+            r = p.T @ v_cache.reshape(W, H * hd)                          # [h, (h',d)]
+            return r.reshape(H * H, hd)[::H + 1].reshape(1, H, hd)
+        eye = mx.eye(H)
+        s = (R.reshape(W, H, M, H) * eye.reshape(1, H, 1, H)).sum(-1)    # [W,H,M]
+        visible = mx.arange(W)[:, None, None] <= (mx.arange(M) + pos0)[None, None, :]
+        p = mx.softmax(mx.where(visible, s * math.sqrt(hd), -mx.inf), axis=0)
+        r = p.transpose(2, 1, 0).reshape(M * H, W) @ v_cache.reshape(W, H * hd)
+        return (r.reshape(M, H, H, hd) * eye.reshape(1, H, H, 1)).sum(2)
 
 
 DEFAULT_OPS = MLXOps()
