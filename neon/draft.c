@@ -13,10 +13,10 @@
 
 #define L2_EPS 1e-6f
 
-/* Float-heavy functions get an AVX2 clone on x86-64 Linux (chosen at load by ifunc).
+/* Float-heavy functions get an AVX2 clone on x86-64 glibc (chosen at load by ifunc).
  * With -ffp-contract=off both clones do the same IEEE operations in the same order,
  * so the results are identical; only the vector width differs. */
-#if defined(__x86_64__) && defined(__linux__) && defined(__GNUC__) && !defined(__clang__)
+#if defined(__x86_64__) && defined(__GLIBC__) && defined(__GNUC__) && !defined(__clang__)
 #define SPEL_FLOAT_FN __attribute__((target_clones("avx2", "default")))
 #else
 #define SPEL_FLOAT_FN
