@@ -16,7 +16,7 @@
 /* Float-heavy functions get an AVX2 clone on x86-64 glibc (chosen at load by ifunc).
  * With -ffp-contract=off both clones do the same IEEE operations in the same order,
  * so the results are identical; only the vector width differs. */
-#if defined(__x86_64__) && defined(__GLIBC__) && defined(__GNUC__) && !defined(__clang__)
+#if defined(__x86_64__) && defined(__GLIBC__) && defined(__GNUC__) && !defined(__clang__) && !defined(SPEL_NO_CLONES)
 #define SPEL_FLOAT_FN __attribute__((target_clones("avx2", "default")))
 #else
 #define SPEL_FLOAT_FN

@@ -137,3 +137,28 @@ def test_draft_step_on_arm64(binaries, tmp_path):
         host = d.forward_logits(tokens)
     assert np.abs(host - base).max() < 1e-4
     assert np.array_equal(host.argmax(1), base.argmax(1))
+
+
+def test_x86_avx2_float_clones_identical(tmp_path):
+    """On x86-64 glibc the float code has AVX2 target_clones; with -ffp-contract=off the
+    AVX2 and baseline clones must give bit-identical logits (machines with and without
+    AVX2 agree).  Built natively both ways from the same sources."""
+    import platform
+    if platform.machine() != "x86_64" or shutil.which("gcc") is None:
+        pytest.skip("x86-64 with gcc only")
+    from test_draft import random_weights
+    weights = random_weights(CFG, 22)
+    src = tmp_path / "draft.bin"
+    _write_draft_file(src, CFG, weights, np.arange(16) % CFG.vocab)
+    outs = []
+    for extra in ([], ["-DSPEL_NO_CLONES"]):
+        exe = tmp_path / ("st" + "".join(extra))
+        cmd = ["gcc", "-O2", "-std=gnu11", "-ffp-contract=off", "-pthread", *extra, f"-I{NEON}",
+               *map(str, SOURCES), "-lm", "-o", str(exe)]
+        r = subprocess.run(cmd, capture_output=True, text=True)
+        assert r.returncode == 0, r.stderr
+        dst = tmp_path / (exe.name + ".out")
+        r = subprocess.run([str(exe), "draft", str(src), str(dst), "0", "1"], capture_output=True, text=True)
+        assert r.returncode == 0, r.stderr
+        outs.append(dst.read_bytes())
+    assert outs[0] == outs[1]
