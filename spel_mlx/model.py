@@ -31,7 +31,7 @@ import mlx.core as mx  # noqa: E402  (after spel_mlx: the BLAS is loaded)
 import mlx.nn as nn  # noqa: E402
 
 L2_EPS = 1e-6  # inside the square root: x / sqrt(sum x^2 + eps)  (SPEC 2: "eps inside the norm")
-MIN_WINDOW = 64  # smallest attention window of the step (windows are powers of two)
+MIN_WINDOW = 64  # smallest attention window of a pass (see _window)
 
 
 def l2_normalize(x: mx.array) -> mx.array:
@@ -495,10 +495,18 @@ def _rows(a, M):
 
 
 def _window(n: int, max_seq: int) -> int:
-    """Attention window covering n positions: a power of two >= n (>= MIN_WINDOW)."""
+    """Attention window covering n positions (one compiled pass per window).
+
+    Powers of two from MIN_WINDOW to 1024, then multiples of 512: past 1k
+    tokens attention costs about as much as the weights, so a window at most
+    ~1.5x what is needed, for a handful of compiled shapes (compiling a pass
+    takes tens of ms).
+    """
     w = MIN_WINDOW
-    while w < n:
+    while w < n and w < 1024:
         w *= 2
+    if w < n:
+        w = -(-n // 512) * 512
     return min(w, max_seq)
 
 
