@@ -78,10 +78,11 @@ def _bytes_differ(a, b):
     return int(np.count_nonzero(a.view(np.uint32) != b.view(np.uint32)))
 
 
-@pytest.mark.parametrize("stack", ["target", "draft"])
-def test_strict_batch_bit_identical_to_single_steps(small, stack):
+@pytest.mark.parametrize("stack,n_prompt", [("target", 11), ("draft", 11), ("target", 61)])
+def test_strict_batch_bit_identical_to_single_steps(small, stack, n_prompt):
+    """n_prompt=61: the batch (positions 61..65) crosses the 64-row attention window."""
     _, model = small
-    prompt, batch = tokens(11, seed=4), tokens(5, seed=5)
+    prompt, batch = tokens(n_prompt, seed=4), tokens(5, seed=5)
     a = model.new_state(stack)
     model.prefill(prompt, a, strict=True)
     batched = model.forward(batch, a, strict=True)
@@ -217,3 +218,55 @@ def test_parameter_counts_21m_module_tree():
     assert (target, draft) == (21_352_044, 7_084_452)
     gdn0 = sum(v.size for k, v in params.items() if k.startswith("layers.0.mixer."))
     assert gdn0 == 590_988
+
+
+def test_update_drops_compiled_passes(small):
+    w, model = small
+    toks = tokens(3, seed=15)
+    before = np.array(model.forward(toks, model.new_state()))
+    w2 = dict(w)
+    w2["lm_head.weight"] = w["lm_head.weight"] * 2.0
+    model.update({"lm_head": {"weight": mx.array(w2["lm_head.weight"])}})
+    try:
+        after = np.array(model.forward(toks, model.new_state()))
+        fresh = np.array(SpelModel.from_weights(SMALL, w2).forward(toks, model.new_state()))
+    finally:
+        model.update({"lm_head": {"weight": mx.array(w["lm_head.weight"])}})
+    assert np.array_equal(after, fresh)
+    assert np.allclose(after, 2 * before, rtol=1e-5, atol=1e-5)
+
+
+def test_uncompiled_pass_matches_compiled(small):
+    w, _ = small
+    eager = SpelModel.from_weights(SMALL, w)
+    eager.compile = False
+    _, model = small
+    toks = tokens(5, seed=16)
+    a = np.array(eager.forward(toks, eager.new_state()))
+    b = np.array(model.forward(toks, model.new_state()))
+    assert np.abs(a - b).max() < 1e-5
+
+
+def test_init_weights_deterministic_and_complete():
+    a, b = init_weights(SMALL, seed=5), init_weights(SMALL, seed=5)
+    c = init_weights(SMALL, seed=6)
+    assert list(a) == [s.name for s in layout.tensor_specs(SMALL)]
+    assert all(np.array_equal(a[k], b[k]) for k in a)
+    assert not np.array_equal(a["layers.0.mlp.w1.weight"], c["layers.0.mlp.w1.weight"])
+    assert not np.array_equal(a["layers.0.mlp.w1.weight"], a["draft.layers.0.mlp.w1.weight"])
+
+
+def test_info_cli(capsys):
+    from spel_mlx import info
+    assert info.main(["--preset", "21m"]) == 0
+    out = capsys.readouterr().out
+    assert "params target:  21,352,044" in out and "params draft:   7,084,452" in out
+    assert "GDN 590,988" in out and "blas:" in out and "mlx:" in out and "kernels:" in out
+    assert info.main(["--preset", "218m"]) == 0
+    out = capsys.readouterr().out
+    assert "218,436,992" in out and "54,543,456" in out
+    for bad in (["--config", "nope=1"], ["--preset", "huge"], ["--config", "draft_map=0:99"],
+                ["--config", "head_dim=63"]):
+        assert info.main(bad) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith("spel_mlx.info: config error:")
