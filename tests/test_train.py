@@ -1,0 +1,293 @@
+"""Trainer: chunked GDN vs the recurrence, training math vs the model and the
+numpy reference, QAT fake-quant vs spel_mlx.quant, loss goes down, a killed run
+resumes with the same losses, draft distillation, controller, export, corpus."""
+import json
+import math
+import os
+
+import numpy as np
+import pytest
+
+import spel_mlx  # noqa: F401  (BLAS before mlx)
+import mlx.core as mx
+from spel_mlx import corpus, quant, train as T, train_model as tm
+from spel_mlx.config import ModelConfig
+from spel_mlx.tokenizer import ByteTokenizer
+
+# 4 layers with attn_period 2: GDN, attention, GDN, attention; draft of 3 layers
+TINY = ModelConfig(d_model=32, n_layers=4, n_heads=2, head_dim=16, d_ff=48, vocab=128,
+                   max_seq=256, attn_period=2, draft_map=(0, 1, 2))
+
+
+def _rand_qkv(B, H, T_, hd, seed=0):
+    rng = np.random.default_rng(seed)
+    q = tm._unit(mx.array(rng.standard_normal((B, H, T_, hd)).astype(np.float32)))
+    k = tm._unit(mx.array(rng.standard_normal((B, H, T_, hd)).astype(np.float32)))
+    v = mx.array(rng.standard_normal((B, H, T_, hd)).astype(np.float32))
+    return q, k, v
+
+
+@pytest.mark.parametrize("T_,chunk", [(32, 8), (32, 32), (37, 16), (5, 64)])
+def test_chunked_gdn_matches_recurrence(T_, chunk):
+    q, k, v = _rand_qkv(2, 3, T_, 16)
+    a = mx.array([0.5, 0.9, 0.999])
+    b = mx.array([0.2, 0.7, 1.0])
+    o_ref, S_ref = tm.gdn_recurrent(q, k, v, a, b)
+    o, S = tm.gdn_chunked(q, k, v, a, b, chunk=chunk)
+    assert float(mx.abs(o_ref).max()) > 0.05
+    assert float(mx.abs(o - o_ref).max()) < 1e-5
+    if T_ % min(chunk, T_) == 0:
+        assert float(mx.abs(S - S_ref).max()) < 1e-5
+    else:
+        assert S is None
+
+
+def test_chunked_gdn_gradients_match_recurrence():
+    q, k, v = _rand_qkv(1, 2, 24, 8, seed=3)
+    a = mx.array([0.8, 0.97])
+    b = mx.array([0.6, 0.9])
+    w = mx.array(np.random.default_rng(1).standard_normal((1, 2, 24, 8)).astype(np.float32))
+
+    def f(fn, **kw):
+        return lambda q, k, v, a, b: mx.sum(fn(q, k, v, a, b, **kw)[0] * w)
+    g_ref = mx.grad(f(tm.gdn_recurrent), argnums=(0, 1, 2, 3, 4))(q, k, v, a, b)
+    g = mx.grad(f(tm.gdn_chunked, chunk=8), argnums=(0, 1, 2, 3, 4))(q, k, v, a, b)
+    for x, y in zip(g_ref, g):
+        assert float(mx.abs(x - y).max()) < 1e-4 * max(1.0, float(mx.abs(x).max()))
+
+
+def test_training_forward_matches_reference_and_model():
+    from reference import forward_reference
+    from spel_mlx.model import SpelModel
+    params = tm.init_params(TINY, seed=5)
+    w = {n: np.array(a) for n, a in params.items()}
+    toks = np.random.default_rng(2).integers(0, TINY.vocab, 40)
+    model = SpelModel.from_weights(TINY, w)
+    for stack in ("target", "draft"):
+        got = np.array(tm.forward(params, mx.array(toks[None].astype(np.int32)), TINY, stack, chunk=16))[0]
+        ref = forward_reference(TINY, w, toks, stack=stack)
+        assert np.abs(ref).max() > 0.5
+        assert np.abs(got - ref).max() < 1e-4
+        st = model.new_state(stack, ring=TINY.spec_k + 1)
+        dec = []
+        for i in range(0, len(toks), 5):
+            dec.append(np.array(model.forward(toks[i:i + 5], st, stack=stack)))
+            st.commit(5)
+        assert np.abs(got - np.concatenate(dec)).max() < 1e-4
+
+
+def test_fake_quant_matches_numpy_reference():
+    rng = np.random.default_rng(0)
+    w = (rng.standard_normal((48, 200)) * rng.uniform(0.01, 2.0, (48, 1))).astype(np.float32)
+    w[3] = 0.0                                        # an all-zero row keeps zeros
+    q8, s8 = quant.quantize_q8(w)
+    got = np.array(tm.fq_q8_rows(mx.array(w)))
+    assert np.array_equal(got, quant.dequantize(q8, s8))
+    t, st = quant.quantize_ternary(w)
+    qm, sm = tm.ternary_scale_codes(mx.array(w))
+    assert np.array_equal(np.array(qm).astype(np.int8), t)
+    assert np.allclose(np.array(sm)[:, 0], st, rtol=2e-6, atol=0)
+    x = (rng.standard_normal((7, 200)) * 3).astype(np.float32)
+    x[2] = 0.0
+    xq, sx = quant.quantize_activation(x)
+    assert np.array_equal(np.array(tm.fq_act(mx.array(x))), quant.dequantize(xq, sx))
+
+
+def test_fake_quant_draft_matches_quantized_gemv():
+    """A QAT linear equals the reference integer GEMV (s_r*s_x*sum q x_q) to float rounding."""
+    rng = np.random.default_rng(4)
+    w = rng.standard_normal((24, 64)).astype(np.float32)
+    x = rng.standard_normal(64).astype(np.float32)
+    for kind in ("q8", "ternary"):
+        got = np.array(tm._linear(mx.array(x[None]), mx.array(w), kind))[0]
+        if kind == "q8":
+            ref = quant.gemv_q8_ref(*quant.quantize_q8(w), x)
+        else:
+            ref = quant.gemv_ternary_ref(*quant.quantize_ternary(w), x)
+        assert np.abs(got - ref).max() < 1e-4 * np.abs(ref).max()
+
+
+def test_straight_through_gradient():
+    w = mx.array(np.random.default_rng(1).standard_normal((8, 16)).astype(np.float32))
+    x = mx.array(np.random.default_rng(2).standard_normal((3, 16)).astype(np.float32))
+    g = mx.grad(lambda w: mx.sum(tm._linear(x, w, "ternary")))(w)
+    g_plain = mx.grad(lambda w: mx.sum(tm._linear(tm.fq_act(x), w, None)))(w)
+    assert float(mx.abs(g - g_plain).max()) < 1e-5   # d/dw passes through the quantizer
+    assert float(mx.abs(g).max()) > 0
+
+
+# --- training runs on synthetic text ------------------------------------------
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory):
+    d = tmp_path_factory.mktemp("corpus")
+    rng = np.random.default_rng(0)
+    words = ["the", "cat", "sat", "on", "a", "mat", "and", "dog", "ran", "to", "it", "was", "red"]
+    text = "\n".join(" ".join(rng.choice(words, 12)) + "." for _ in range(600)) + "\n"
+    tr, he = corpus.split_heldout(text, every=5, phase=2)
+    (d / "train.txt").write_text(tr)
+    (d / "heldout.txt").write_text(he)
+    return str(d)
+
+
+def _tc(data_dir, **kw):
+    base = dict(steps=12, batch=4, seq=32, lr=3e-3, warmup=3, eval_every=6, eval_tokens=512,
+                ckpt_every=100, log_every=1, chunk=16, data=data_dir)
+    base.update(kw)
+    return T.TrainConfig(**base)
+
+
+def _losses(run):
+    return [r["loss"] for r in map(json.loads, open(os.path.join(run, "log.jsonl"))) if r["event"] == "step"]
+
+
+@pytest.fixture(scope="module")
+def target_run(tmp_path_factory, data_dir):
+    run = str(tmp_path_factory.mktemp("runs") / "full")
+    s = T.train(run, TINY, _tc(data_dir, steps=30), tokenizer=ByteTokenizer(), quiet=True)
+    return run, s
+
+
+def test_training_reduces_loss(target_run):
+    run, s = target_run
+    losses = _losses(run)
+    assert len(losses) == 30 and s["step"] == 30
+    assert np.mean(losses[-5:]) < np.mean(losses[:5]) - 0.5
+    evals = [r for r in map(json.loads, open(os.path.join(run, "log.jsonl"))) if r["event"] == "eval"]
+    assert [e["step"] for e in evals] == [6, 12, 18, 24, 30]
+    assert evals[-1]["heldout_nats"] < evals[0]["heldout_nats"]
+
+
+def test_killed_run_resumes_with_same_losses(tmp_path, data_dir):
+    full, part = str(tmp_path / "full"), str(tmp_path / "part")
+    T.train(full, TINY, _tc(data_dir), tokenizer=ByteTokenizer(), quiet=True)
+    s = T.train(part, TINY, _tc(data_dir), tokenizer=ByteTokenizer(), quiet=True, stop_after=5)
+    assert s["step"] == 5
+    assert T.load_checkpoint_dir(part)[0]["step"] == 5
+    T.train(part, None, _tc(data_dir), tokenizer=ByteTokenizer(), quiet=True)   # resume
+    a, b = _losses(full), _losses(part)
+    assert len(a) == len(b) == 12
+    assert a == b                                                                # bit-identical
+    pa, pb = T.load_checkpoint_dir(full)[2], T.load_checkpoint_dir(part)[2]
+    assert all(np.array_equal(np.array(pa[n]), np.array(pb[n])) for n in pa)
+
+
+def test_batches_depend_only_on_seed_and_step():
+    toks = np.arange(10000, dtype=np.int32)
+    x1, y1 = T.batch_at(toks, 17, 3, 4, 8)
+    x2, y2 = T.batch_at(toks, 17, 3, 4, 8)
+    assert np.array_equal(x1, x2) and np.array_equal(y1[:, :-1], x1[:, 1:])
+    assert not np.array_equal(T.batch_at(toks, 18, 3, 4, 8)[0], x1)
+
+
+def test_draft_distillation(tmp_path, target_run, data_dir):
+    trun, _ = target_run
+    _, cfg, tparams, _, _ = T.load_checkpoint_dir(trun)
+    init = tm.copy_target_to_draft(cfg, dict(tparams))
+    assert np.array_equal(np.array(init["draft.layers.1.mixer.wqkv.weight"]),
+                          np.array(tparams["layers.1.mixer.wqkv.weight"]))
+    run = str(tmp_path / "draft")
+    T.train(run, None, _tc(data_dir, mode="draft", init=trun, steps=12, lr=2e-3),
+            tokenizer=ByteTokenizer(), quiet=True)
+    _, _, dparams, _, _ = T.load_checkpoint_dir(run)
+    for n in tparams:   # target, embedding and head frozen
+        if not n.startswith("draft."):
+            assert np.array_equal(np.array(tparams[n]), np.array(dparams[n])), n
+    evals = [r for r in map(json.loads, open(os.path.join(run, "log.jsonl"))) if r["event"] == "eval"]
+    assert evals[-1]["heldout_kl"] < evals[0]["heldout_kl"]
+    assert 0.0 <= evals[-1]["heldout_top1_agree"] <= 1.0
+
+
+def test_export_loads_as_checkpoint(tmp_path, target_run):
+    run, _ = target_run
+    out = T.export_run(run, str(tmp_path / "model"), dtype="float16")
+    cfgj = json.load(open(os.path.join(out, "config.json")))
+    assert cfgj["d_model"] == TINY.d_model and cfgj["draft_map"] == list(TINY.draft_map)
+    _, _, params, _, _ = T.load_checkpoint_dir(run)
+    try:
+        from spel_mlx.checkpoint import load_checkpoint
+    except ImportError:
+        pytest.skip("spel_mlx.checkpoint not available")
+    ck = load_checkpoint(out)
+    assert ck.cfg == TINY
+    for n, a in params.items():
+        assert np.array_equal(ck.weights[n], np.array(a.astype(mx.float16)).astype(np.float32)), n
+
+
+# --- controller -----------------------------------------------------------------
+def test_controller_schedule_plateau_and_spikes():
+    tc = T.TrainConfig(steps=100, warmup=10, lr=1e-3, min_lr_frac=0.1, plateau_patience=2,
+                       plateau_factor=0.5, spike_factor=4.0)
+    c = T.Controller()
+    assert c.lr(tc, 0) == pytest.approx(1e-4)
+    assert c.lr(tc, 10) == pytest.approx(1e-3)
+    assert c.lr(tc, 100) == pytest.approx(1e-4)
+    assert c.observe_eval(tc, 10, 3.0) == ""
+    assert c.observe_eval(tc, 20, 2.995) == ""          # not a real gain, 1 bad eval
+    assert "plateau" in c.observe_eval(tc, 30, 3.1)     # 2nd bad eval -> LR halved
+    assert c.lr_scale == 0.5 and c.lr(tc, 10) == pytest.approx(5e-4)
+    assert c.spike_threshold(tc) == math.inf            # no statistics yet
+    for i in range(25):
+        c.observe_step(tc, i, 3.0, 0.5, True)
+    assert c.spike_threshold(tc) == pytest.approx(2.0)
+    assert "skipped" in c.observe_step(tc, 26, 3.0, 50.0, False)
+    assert c.skipped == 1
+    c.history = [[s, 5.0 - 0.3 * math.log2(s)] for s in range(10, 200, 10)]
+    conv = c.convergence(400)
+    assert conv["slope_per_doubling"] == pytest.approx(-0.3, abs=1e-6)
+    assert conv["projected_final"] == pytest.approx(5.0 - 0.3 * math.log2(400), abs=1e-5)
+
+
+def test_spike_skips_update_in_graph():
+    tc = T.TrainConfig(batch=2, seq=16, chunk=16)
+    params = tm.init_params(TINY, seed=1)
+    names = [n for n in params if not n.startswith("draft.")]
+    tr = {n: params[n] for n in names}
+    fr = {n: params[n] for n in params if n not in tr}
+    m = {n: mx.zeros_like(tr[n]) for n in names}
+    step = T.make_step(TINY, tc, names)
+    x = mx.array(np.random.default_rng(0).integers(0, 128, (2, 16)).astype(np.int32))
+    loss, gn, ok, p2, m2, v2 = step(tr, fr, m, m, x, x, mx.array(1e-3), mx.array(1.0), mx.array(1e-9))
+    assert not bool(ok) and float(gn) > 0
+    assert all(np.array_equal(np.array(p2[n]), np.array(tr[n])) for n in names)
+    loss, gn, ok, p3, _, _ = step(tr, fr, m, m, x, x, mx.array(1e-3), mx.array(1.0), mx.array(1e9))
+    assert bool(ok) and any(not np.array_equal(np.array(p3[n]), np.array(tr[n])) for n in names)
+
+
+# --- corpus ---------------------------------------------------------------------
+def test_heldout_split_is_contiguous_and_disjoint():
+    text = "".join(f"line {i} " + "x" * (i % 97) + "\n" for i in range(20000))
+    blocks = corpus.split_blocks(text)
+    assert "".join(blocks) == text and all(b.endswith("\n") for b in blocks)
+    tr, he = corpus.split_heldout(text)
+    assert len(tr) + len(he) == len(text)
+    held = [b for i, b in enumerate(blocks) if i % corpus.HELDOUT_EVERY == corpus.HELDOUT_PHASE]
+    assert he == "".join(held) and all(b not in tr for b in held)
+
+
+def test_r_character_vector_reader():
+    import struct
+    def rstr(s):
+        b = s.encode()
+        return struct.pack(">ii", 0x00040009, len(b)) + b
+    blob = b"X\n" + struct.pack(">iii", 3, 0x040201, 0x030500) + struct.pack(">i", 5) + b"UTF-8"
+    blob += struct.pack(">ii", 16, 3) + rstr("It is a truth") + struct.pack(">ii", 9, -1) + rstr("")
+    assert corpus._read_r_character_vector(blob, "x") == ["It is a truth", "", ""]
+    with pytest.raises(corpus.CorpusError, match="truncated"):
+        corpus._read_r_character_vector(blob[:-3], "x")
+
+
+def test_missing_debian_package_is_named(monkeypatch, tmp_path):
+    with pytest.raises(corpus.CorpusError, match="r-cran-janeaustenr"):
+        corpus.read_austen(str(tmp_path))
+    monkeypatch.setattr(corpus.shutil, "which", lambda _: None)
+    with pytest.raises(corpus.CorpusError, match="bible-kjv"):
+        corpus.read_kjv()
+
+
+def test_clean_kjv_drops_verse_numbers():
+    raw = "\nGenesis 1\n\n  1 In the beginning God created the heaven and the earth.\n" \
+          "  2 And the earth was without form, and void; and darkness was upon the face of\n" \
+          "the deep.\n"
+    assert corpus.clean_kjv(raw) == ("Genesis 1\nIn the beginning God created the heaven and the earth.\n"
+                                     "And the earth was without form, and void; and darkness was upon "
+                                     "the face of the deep.\n")
