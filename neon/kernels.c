@@ -5,7 +5,7 @@
  *   avx2     x86-64, chosen at run time (__builtin_cpu_supports); code -> (w+1) in {0,1,2}
  *            via a byte shuffle, then vpmaddubsw against the int8 input and a final
  *            subtraction of sum(x) (the +1 offset), so no per-row extra data is needed
- *   dotprod  arm64 with FEAT_DotProd: code -> w in {-1,0,1} via vqtbl1q, then vdotq_s32
+ *   dotprod  arm64 with FEAT_DotProd: nibble -> w in {-1,0,1} via vqtbl1q, then vdotq_s32
  *   addsub   arm64 baseline NEON: +1/-1 masks select the input, pairwise-add into int16
  *   vnni     x86-64 with AVX512-VNNI/VL: the avx2 decode with vpdpbusd (u8 x s8 -> int32)
  * The SIMD ternary kernels read the canonical packing unchanged; the activation was
@@ -30,6 +30,8 @@
 #include <sys/sysctl.h>
 #endif
 #endif
+
+#define SPEL_LUT16(F) F(0), F(1), F(2), F(3), F(4), F(5), F(6), F(7), F(8), F(9), F(10), F(11), F(12), F(13), F(14), F(15)
 
 /* ------------------------------------------------------------------ scalar */
 static const int8_t DECODE[4] = {0, 1, 0, -1};   /* code 2 decodes as 0 */
@@ -78,7 +80,6 @@ AVX2_FN static inline int32_t hsum256_epi32(__m256i v) {
 #define SPEL_U(c) ((c) == 1 ? 2 : (c) == 3 ? 0 : 1)
 #define SPEL_LUT_LO(i) SPEL_U((i) & 3)
 #define SPEL_LUT_HI(i) SPEL_U((i) >> 2)
-#define SPEL_LUT16(F) F(0), F(1), F(2), F(3), F(4), F(5), F(6), F(7), F(8), F(9), F(10), F(11), F(12), F(13), F(14), F(15)
 
 AVX2_FN static inline void tern_pair_avx2(const uint8_t *pa, const uint8_t *pb, int64_t row_bytes,
                                           const spel_act *a, int32_t *out_a, int32_t *out_b) {
@@ -296,27 +297,47 @@ static int cpu_has_avx2(void) {
 #define DOTPROD_FN __attribute__((target("arch=armv8.2-a+dotprod")))
 #endif
 
+/* Nibble decode as on x86: vqtbl1q returns 0 for indices >= 16, so a nibble (two codes)
+ * indexes a 16-entry table giving w of its low code or of its high code; v & 15 and
+ * v >> 4 are the only unpacking steps.  Two rows share the activation loads. */
+#define SPEL_W(c) ((c) == 1 ? 1 : (c) == 3 ? -1 : 0)
+#define SPEL_WLO(i) SPEL_W((i) & 3)
+#define SPEL_WHI(i) SPEL_W((i) >> 2)
+
+DOTPROD_FN static inline void tern_pair_dotprod(const uint8_t *pa, const uint8_t *pb, int64_t nb,
+                                                const int8_t *xp, int32_t *out_a, int32_t *out_b) {
+    const int8x16_t lut_lo = {SPEL_LUT16(SPEL_WLO)}, lut_hi = {SPEL_LUT16(SPEL_WHI)};
+    const uint8x16_t m4 = vdupq_n_u8(15);
+    int32x4_t a0 = vdupq_n_s32(0), a1 = a0, b0 = a0, b1 = a0;
+    for (int64_t b = 0; b < nb; b++) {
+        const int8_t *xb = xp + b * 64;
+        int8x16_t x0 = vld1q_s8(xb), x1 = vld1q_s8(xb + 16), x2 = vld1q_s8(xb + 32), x3 = vld1q_s8(xb + 48);
+        uint8x16_t va = vld1q_u8(pa + 16 * b), vb = vld1q_u8(pb + 16 * b);
+        uint8x16_t la = vandq_u8(va, m4), ha = vshrq_n_u8(va, 4);
+        uint8x16_t lb = vandq_u8(vb, m4), hb = vshrq_n_u8(vb, 4);
+        a0 = vdotq_s32(a0, vqtbl1q_s8(lut_lo, la), x0);
+        a1 = vdotq_s32(a1, vqtbl1q_s8(lut_hi, la), x1);
+        a0 = vdotq_s32(a0, vqtbl1q_s8(lut_lo, ha), x2);
+        a1 = vdotq_s32(a1, vqtbl1q_s8(lut_hi, ha), x3);
+        b0 = vdotq_s32(b0, vqtbl1q_s8(lut_lo, lb), x0);
+        b1 = vdotq_s32(b1, vqtbl1q_s8(lut_hi, lb), x1);
+        b0 = vdotq_s32(b0, vqtbl1q_s8(lut_lo, hb), x2);
+        b1 = vdotq_s32(b1, vqtbl1q_s8(lut_hi, hb), x3);
+    }
+    *out_a = vaddvq_s32(vaddq_s32(a0, a1));
+    *out_b = vaddvq_s32(vaddq_s32(b0, b1));
+}
+
 DOTPROD_FN static void tern_rows_dotprod(const uint8_t *packed, int64_t row_bytes, int64_t r0, int64_t r1,
                                          const spel_act *a, int32_t *out) {
-    const int8x16_t lut = {0, 1, 0, -1, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0};
-    const uint8x16_t m3 = vdupq_n_u8(3);
     const int64_t nb = row_bytes / 16;
-    for (int64_t r = r0; r < r1; r++) {
-        const uint8_t *p = packed + r * row_bytes;
-        int32x4_t acc0 = vdupq_n_s32(0), acc1 = vdupq_n_s32(0);
-        for (int64_t b = 0; b < nb; b++) {
-            const int8_t *xb = a->xperm + b * 64;
-            uint8x16_t v = vld1q_u8(p + 16 * b);
-            int8x16_t w0 = vqtbl1q_s8(lut, vandq_u8(v, m3));
-            int8x16_t w1 = vqtbl1q_s8(lut, vandq_u8(vshrq_n_u8(v, 2), m3));
-            int8x16_t w2 = vqtbl1q_s8(lut, vandq_u8(vshrq_n_u8(v, 4), m3));
-            int8x16_t w3 = vqtbl1q_s8(lut, vshrq_n_u8(v, 6));
-            acc0 = vdotq_s32(acc0, w0, vld1q_s8(xb));
-            acc1 = vdotq_s32(acc1, w1, vld1q_s8(xb + 16));
-            acc0 = vdotq_s32(acc0, w2, vld1q_s8(xb + 32));
-            acc1 = vdotq_s32(acc1, w3, vld1q_s8(xb + 48));
-        }
-        out[r - r0] = vaddvq_s32(vaddq_s32(acc0, acc1));
+    int64_t r = r0;
+    for (; r + 2 <= r1; r += 2)
+        tern_pair_dotprod(packed + r * row_bytes, packed + (r + 1) * row_bytes, nb, a->xperm,
+                          &out[r - r0], &out[r - r0 + 1]);
+    if (r < r1) {
+        int32_t dup;
+        tern_pair_dotprod(packed + r * row_bytes, packed + r * row_bytes, nb, a->xperm, &out[r - r0], &dup);
     }
 }
 
