@@ -480,32 +480,46 @@ def train(run: str, cfg: ModelConfig | None, tc: TrainConfig, tokenizer=None,
 
 
 # --- export -----------------------------------------------------------------------
-def export_run(run: str, out_dir: str, dtype: str = "float16", tokenizer_path: str = "") -> str:
-    """Write a safetensors model folder (layout names, config in config.json and
-    metadata) from a run's checkpoint, plus the tokenizer, atomically."""
+def golden_tokens_from_heldout(data_dir: str, tokenizer, n: int = 16) -> np.ndarray:
+    """The first n tokens of the held-out text: the golden footer feeds real prose."""
+    held = load_tokens(data_dir, tokenizer, "heldout")
+    return np.asarray(held[:n], dtype=np.uint32)
+
+
+def export_run(run: str, out_dir: str, dtype: str = "float16", tokenizer_path: str = "",
+               data_dir: str = "data/corpus", spelw_path: str = "") -> str:
+    """Export a run's checkpoint: a SPELW001 file (FP32, golden footer on held-out
+    tokens) and a safetensors model folder in ``dtype`` made from it by
+    spel_mlx.convert (golden logits recomputed for the rounded weights), plus the
+    tokenizer. Returns the folder."""
+    from .tokenizer import DEFAULT_SP_MODEL, load_tokenizer
+    from .golden import compute_golden
+    from .spelw import Golden, write_spelw
+    from .convert import convert
     _, cfg, params, _, _ = load_checkpoint_dir(run)
-    from .tokenizer import DEFAULT_SP_MODEL
-    dt = {"float16": mx.float16, "bfloat16": mx.bfloat16, "float32": mx.float32}[dtype]
     names = [s.name for s in layout.tensor_specs(cfg)]
     missing = [n for n in names if n not in params]
     if missing:
         raise TrainError(f"{run}: checkpoint lacks {missing[0]} (and {len(missing) - 1} more)")
+    weights = {n: np.array(params[n], dtype=np.float32) for n in names}
+    tok_path = tokenizer_path or DEFAULT_SP_MODEL
+    tok = load_tokenizer(cfg.vocab, None if cfg.vocab == 128 else tok_path)
+    gt = golden_tokens_from_heldout(data_dir, tok)
+    tl, dl = compute_golden(cfg, weights, gt)
+    spelw_path = spelw_path or os.path.join(run, "model.spelw")
+    write_spelw(spelw_path, cfg, weights, Golden(gt, tl, dl))
+    code = {"float16": "F16", "bfloat16": "BF16", "float32": "F32"}[dtype]
     tmp = out_dir.rstrip("/") + ".tmp"
     shutil.rmtree(tmp, ignore_errors=True)
-    os.makedirs(tmp)
-    cfgd = cfg.to_dict()
-    meta = {"format": "spel-mlx-safetensors", "config": json.dumps(cfgd), "dtype": dtype,
-            "tokenizer": "tokenizer.model" if cfg.vocab != 128 else "ascii-bytes"}
-    mx.save_safetensors(os.path.join(tmp, "model.safetensors"),
-                        {n: params[n].astype(dt) for n in names}, metadata=meta)
-    with open(os.path.join(tmp, "config.json"), "w") as f:
-        json.dump({**cfgd, "dtype": dtype, "tokenizer": meta["tokenizer"]}, f, indent=1)
-        f.write("\n")
+    convert(spelw_path, tmp, code, progress=False)
     if cfg.vocab != 128:
-        shutil.copyfile(tokenizer_path or DEFAULT_SP_MODEL, os.path.join(tmp, "tokenizer.model"))
+        shutil.copyfile(tok_path, os.path.join(tmp, "tokenizer.model"))
+    old = out_dir.rstrip("/") + ".old"
+    shutil.rmtree(old, ignore_errors=True)
     if os.path.exists(out_dir):
-        shutil.rmtree(out_dir)
+        os.replace(out_dir, old)
     os.replace(tmp, out_dir)
+    shutil.rmtree(old, ignore_errors=True)
     return out_dir
 
 
@@ -540,6 +554,8 @@ def main(argv=None) -> int:
     e.add_argument("--run", required=True)
     e.add_argument("--out", default="spel_mlx/assets/default")
     e.add_argument("--dtype", default="float16", choices=["float16", "bfloat16", "float32"])
+    e.add_argument("--data", default="data/corpus")
+    e.add_argument("--spelw", default="", help="where the FP32 SPELW001 file goes (default RUN/model.spelw)")
     al = sub.add_parser("all", help="corpus, tokenizer, target, draft and export in one go")
     al.add_argument("--runs", default="runs")
     al.add_argument("--data", default="data/corpus")
@@ -562,7 +578,7 @@ def main(argv=None) -> int:
             s = train(a.run, cfg, _tc_from_args(a, a.cmd))
             print(json.dumps(s, default=float))
         elif a.cmd == "export":
-            print(export_run(a.run, a.out, a.dtype))
+            print(export_run(a.run, a.out, a.dtype, data_dir=a.data, spelw_path=a.spelw))
         else:
             from . import corpus
             from .tokenizer import DEFAULT_SP_MODEL, train_sentencepiece
@@ -574,7 +590,7 @@ def main(argv=None) -> int:
             train(tr, cfg, TrainConfig(mode="target", budget_min=a.target_min, data=a.data))
             train(dr, None, TrainConfig(mode="draft", budget_min=a.draft_min, data=a.data, init=tr,
                                         lr=5e-4, warmup=20))
-            print(export_run(dr, a.out))
+            print(export_run(dr, a.out, data_dir=a.data))
     except (TrainError, ConfigError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

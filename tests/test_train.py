@@ -197,20 +197,20 @@ def test_draft_distillation(tmp_path, target_run, data_dir):
     assert 0.0 <= evals[-1]["heldout_top1_agree"] <= 1.0
 
 
-def test_export_loads_as_checkpoint(tmp_path, target_run):
+def test_export_spelw_and_f16_folder(tmp_path, target_run, data_dir):
     run, _ = target_run
-    out = T.export_run(run, str(tmp_path / "model"), dtype="float16")
-    cfgj = json.load(open(os.path.join(out, "config.json")))
-    assert cfgj["d_model"] == TINY.d_model and cfgj["draft_map"] == list(TINY.draft_map)
+    out = T.export_run(run, str(tmp_path / "model"), dtype="float16", data_dir=data_dir,
+                       spelw_path=str(tmp_path / "m.spelw"))
+    from spel_mlx.checkpoint import load_checkpoint
     _, _, params, _, _ = T.load_checkpoint_dir(run)
-    try:
-        from spel_mlx.checkpoint import load_checkpoint
-    except ImportError:
-        pytest.skip("spel_mlx.checkpoint not available")
-    ck = load_checkpoint(out)
-    assert ck.cfg == TINY
+    full = load_checkpoint(str(tmp_path / "m.spelw"))
+    half = load_checkpoint(out)
+    assert full.cfg == half.cfg == TINY
+    assert list(full.golden.tokens) == list(T.golden_tokens_from_heldout(data_dir, ByteTokenizer()))
     for n, a in params.items():
-        assert np.array_equal(ck.weights[n], np.array(a.astype(mx.float16)).astype(np.float32)), n
+        assert np.array_equal(full.weights[n], np.array(a)), n
+        assert np.array_equal(half.weights[n], np.array(a).astype(np.float16).astype(np.float32)), n
+    assert not os.path.exists(os.path.join(out, "tokenizer.model"))   # vocab 128: ASCII bytes
 
 
 # --- controller -----------------------------------------------------------------
