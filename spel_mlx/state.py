@@ -119,8 +119,9 @@ class DecodeState:
         if self.pending:
             raise StateError("snapshot needs a committed state (commit or discard the pending tokens)")
         gdn = {i: self.committed_gdn(i) for i in self.gdn_layers}
-        # copies, so later in-place KV writes past pos cannot touch the snapshot
-        kv = {i: (mx.array(self.k_cache[i][:self.pos]), mx.array(self.v_cache[i][:self.pos]))
+        # own copies of the rows in use (x * 1.0 is exact, -0.0 included), not views
+        # pinning the whole max_seq cache buffer while the snapshot lives
+        kv = {i: (self.k_cache[i][:self.pos] * 1.0, self.v_cache[i][:self.pos] * 1.0)
               for i in self.attn_layers} if self.pos else {i: None for i in self.attn_layers}
         mx.eval([a for p in kv.values() if p for a in p])
         return Snapshot(self.stack, self.pos, gdn, kv)
