@@ -9,12 +9,11 @@ only reads the committed/pending slot and writes new slots.  Three sequence
 primitives (short conv, delta rule, causal attention) go through a replaceable
 ``ops`` object (``MLXOps`` by default, Metal kernels in ``spel_mlx.kernels``).
 
-Two paths compute the same function:
-* the *step*: one token through a whole stack, one ``mx.compile``d call
-  (compiled once per attention-window bucket).  Single-token forwards and
-  every row of a strict forward run it, which makes strict batches
-  bit-identical to sequential decoding by construction;
-* the *batch*: M rows at once, projections as GEMMs (fast mode).
+Every forward is ONE ``mx.compile``d pass of a whole stack over M rows,
+compiled per (stack, M, attention window).  A single-token forward is the M=1
+pass and a strict forward runs the M=1 pass row by row, which makes strict
+batches bit-identical to sequential decoding by construction; a fast forward
+is one M-row pass with GEMM projections.  See docs/model.md.
 """
 from __future__ import annotations
 
