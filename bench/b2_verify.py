@@ -37,7 +37,7 @@ def device_stream(dev: str):
     return mx.stream(mx.gpu if dev == "gpu" else mx.cpu)
 
 
-def time_forward(model, state, tokens, strict: bool, repeats: int, warmup: int = 2) -> list:
+def time_forward(model, state, tokens, strict: bool, repeats: int, warmup: int = 1) -> list:
     """Seconds per forward of ``tokens`` on ``state`` (discarded after each call)."""
     import mlx.core as mx
 

@@ -209,7 +209,7 @@ def b2_section(results) -> str:
                 continue
             parts.append(f"- {placement}: one AR token {_cell(ar, 'ms')} ms")
             body = []
-            for K in results["params"]["b2_K"]:
+            for K in sorted({r["K"] for r in pr if r.get("K")}):
                 s = _first([r for r in pr if r["mode"] == "strict" and r["K"] == K])
                 f = _first([r for r in pr if r["mode"] == "fast" and r["K"] == K])
                 body.append([K, K + 1, _cell(s, "ms"), _cell(s, "v"), _cell(f, "ms"), _cell(f, "v")])
@@ -462,12 +462,13 @@ def render(results, plots=(), plot_note="", md_dir=".") -> str:
              f"{mach.get('mlx_default_device', '?')}, GPU: {'yes' if mach.get('gpu') else 'no'}).")
     L.append("")
     L.append("Protocol (SPEC 8, the original's §2.1): per regime, "
-             + "; ".join(f"{g}: prompt {q['prompt_len']} tokens, {q['warm']} warm tokens "
+             + "; ".join(f"{g}: {q.get('runs', p['runs'])} process run(s), prompt "
+                         f"{q['prompt_len']} tokens, {q['warm']} warm tokens "
                          f"(untimed call), {q['gen']} generated tokens, draft threads "
                          f"{', '.join(map(str, q['threads']))}"
                          for g, q in ((g, _protocol(p, g)) for g in p["regimes"]))
              + f". K={p['K']}. Every figure is the "
-             f"median over {p['runs']} independent process runs with the min–max range in "
+             f"median over the independent process runs with the min–max range in "
              f"parentheses (B1 and peers: one process run). `c` = draft time per draft "
              f"forward / AR token time, `v` = one K+1 verification / one AR token, both "
              f"measured inside the row's own rounds; the cost model is "

@@ -40,7 +40,8 @@ LEVELS = {
               "per_regime": {"21m": {"prompt_len": 32, "warm": 4, "gen": 24, "threads": [1, 2],
                                      "drafts": ["c", "mlx"], "b2_repeats": 3, "peers_gen": 16},
                              "218m": {"prompt_len": 12, "warm": 2, "gen": 6, "threads": [1, 2],
-                                      "drafts": ["c"], "b2_repeats": 2, "peers_gen": 0}}},
+                                      "drafts": ["c"], "b2_repeats": 2, "peers_gen": 0,
+                                      "runs": 1, "b2_K": [1, 4, 16]}}},
     "full": {"regimes": ["21m", "218m"], "runs": 3, "K": 4, "K_ceiling": 16, "timeout": 600,
              "sections": ["b1", "b2", "b3", "placement", "peers"], "b2_K": [1, 2, 4, 8, 16],
              "per_regime": {"21m": {"prompt_len": 64, "warm": 8, "gen": 64, "threads": [1, 2],
@@ -295,6 +296,8 @@ def build_jobs(level: str, params: dict) -> list:
     for run_idx in range(params["runs"]):
         for i, regime in enumerate(params["regimes"]):
             proto = protocol(params, regime)
+            if run_idx >= proto.get("runs", params["runs"]):
+                continue
             sections = [s for s in params["sections"]
                         if (s not in ONCE or run_idx == 0) and (s != "b1" or i == 0)
                         and (s != "peers" or proto["peers_gen"] > 0)]
@@ -303,6 +306,7 @@ def build_jobs(level: str, params: dict) -> list:
             jobs.append({"level": level, "run": run_idx, "regime": regime, "sections": sections,
                          "b2_K": params["b2_K"], "K": params["K"], "K_ceiling": params["K_ceiling"],
                          "repeats": 1, **proto})
+            jobs[-1]["runs"] = proto.get("runs", params["runs"])
     return jobs
 
 
@@ -387,6 +391,7 @@ def level_params(args) -> tuple:
         if not 1 <= args.runs <= 20:
             raise ValueError(f"--runs {args.runs}: must be in 1..20")
         params["runs"] = args.runs
+        params.setdefault("override", {})["runs"] = args.runs
     if args.regimes:
         regs = [r.strip() for r in args.regimes.split(",") if r.strip()]
         for r in regs:
