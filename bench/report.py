@@ -155,6 +155,49 @@ def headline(results) -> tuple:
     return _table(header, body), regimes
 
 
+def findings(results) -> str:
+    """A few sentences computed from the rows: what the numbers say, per regime."""
+    out = []
+    for g in results["params"]["regimes"]:
+        b3 = [r for r in _rows(results, "b3", g) if r["status"] == common.OK]
+        ar = _first([r for r in b3 if r["name"] == "AR target" and r["placement"] == "target=mlx-cpu"])
+        if ar is None:
+            continue
+        s = [f"**{g}**: AR {fmt_range(ar['metrics']['tok_s'])} tok/s"]
+        cs = [r for r in b3 if r["mode"] == "draft-only" and "c-cpu" in r["placement"]]
+        if cs:
+            best = min(cs, key=lambda r: metric(r, "c"))
+            s.append(f"the C draft runs at c = {fmt_num(metric(best, 'c'))} "
+                     f"({best['threads']} thread(s), {fmt_num(metric(best, 'tok_s'))} tok/s)")
+        raw = [r for r in b3 if r["mode"] == "spec" and "c-cpu" in r["placement"]]
+        if raw:
+            best = max(raw, key=lambda r: metric(r, "speedup"))
+            s.append(f"raw speculation accepts alpha = {fmt_num(metric(best, 'alpha'))} of the "
+                     f"proposals and runs at {fmt_num(metric(best, 'speedup'))}× AR "
+                     f"(cost model {fmt_num(metric(best, 'projected'))}×)")
+        f1 = [r for r in b3 if r["mode"] == "forced" and r.get("forced_alpha") == 1.0
+              and r.get("K") == results["params"]["K"] and "c-cpu" in r["placement"]]
+        if f1:
+            best = max(f1, key=lambda r: metric(r, "speedup"))
+            s.append(f"the forced-1.00 ceiling is {fmt_num(metric(best, 'speedup'))}× AR")
+        ratios = [metric(r, "speedup") / metric(r, "projected") for r in b3
+                  if r["mode"] in ("spec", "forced", "oracle") and metric(r, "projected")]
+        if ratios:
+            ratios.sort()
+            s.append(f"measured/projected over {len(ratios)} speculative rows: median "
+                     f"{fmt_num(ratios[len(ratios) // 2])} (range {fmt_num(ratios[0])}–{fmt_num(ratios[-1])})")
+        peer = _first([r for r in _rows(results, "peers", g, mode="ar") if r["status"] == common.OK
+                       and "Llama" in r["name"]])
+        if peer:
+            s.append(f"SPEL's AR is {metric(ar, 'tok_s') / metric(peer, 'tok_s'):.2f}× mlx-lm's "
+                     f"same-shape Llama greedy")
+        info = results.get("regimes", {}).get(g, {})
+        if info.get("systems_only"):
+            s.append("weights are random, so alpha and decoding rows show systems behaviour only")
+        out.append("- " + "; ".join(s) + ".")
+    return "\n".join(out)
+
+
 def regime_section(results) -> str:
     out = []
     for name, info in results.get("regimes", {}).items():
@@ -484,6 +527,8 @@ def render(results, plots=(), plot_note="", md_dir=".") -> str:
     L.append("## Headline")
     L.append("")
     L.append(head_table)
+    L.append("")
+    L.append(findings(results))
     L.append("")
     L.append("## B1: kernels")
     L.append("")

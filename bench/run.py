@@ -46,8 +46,9 @@ LEVELS = {
              "sections": ["b1", "b2", "b3", "placement", "peers"], "b2_K": [1, 2, 4, 8, 16],
              "per_regime": {"21m": {"prompt_len": 64, "warm": 8, "gen": 64, "threads": [1, 2],
                                     "drafts": ["c", "mlx"], "b2_repeats": 5, "peers_gen": 48},
-                            "218m": {"prompt_len": 32, "warm": 4, "gen": 16, "threads": [1, 2],
-                                     "drafts": ["c", "mlx"], "b2_repeats": 3, "peers_gen": 12}}},
+                            "218m": {"prompt_len": 32, "warm": 2, "gen": 12, "threads": [1, 2],
+                                     "drafts": ["c"], "b2_repeats": 2, "peers_gen": 8,
+                                     "runs": 2}}},
 }
 DEFAULT_PROTOCOL = {"prompt_len": 32, "warm": 4, "gen": 16, "threads": [1, 2], "drafts": ["c", "mlx"],
                     "b2_repeats": 3, "peers_gen": 16}
@@ -96,20 +97,22 @@ def load_regime(name: str) -> dict:
     """cfg, weights, and labels saying where the weights came from."""
     cfg = regime_config(name)
     if name == "21m":
-        path = shipped_checkpoint_dir()
+        # the shipped default, or the checkpoint SPEL_WEIGHTS names
         try:
             from spel_mlx.checkpoint import load_checkpoint
-            if not os.path.isdir(path):
-                raise FileNotFoundError(f"{path} does not exist")
-            ck = load_checkpoint(path)
+            ck = load_checkpoint(None)
+            src = os.path.relpath(ck.source, REPO) if ck.source.startswith(REPO) else ck.source
+            tok = os.path.join(ck.source, "tokenizer.model") if os.path.isdir(ck.source) else None
             return {"name": name, "cfg": ck.cfg, "weights": ck.weights, "systems_only": False,
-                    "weights_source": f"shipped checkpoint ({os.path.relpath(path, REPO)})",
-                    "label": REGIME_LABELS[name]}
+                    "weights_source": f"checkpoint {src} ({ck.format}, stored {ck.stored_dtype})",
+                    "tokenizer": tok if tok and os.path.isfile(tok) else None,
+                    "label": REGIME_LABELS[name] if not os.environ.get("SPEL_WEIGHTS")
+                    else "21m regime on the checkpoint named by SPEL_WEIGHTS"}
         except Exception as e:
             why = f"{type(e).__name__}: {e}"
             return {"name": name, "cfg": cfg, "weights": synthetic_weights(cfg), "systems_only": True,
-                    "weights_source": "synthetic random weights: the shipped checkpoint is not "
-                                      f"available yet ({why})",
+                    "weights_source": "synthetic random weights: no trained checkpoint could be "
+                                      f"loaded ({why})",
                     "label": "21m shape, synthetic weights (shipped checkpoint not available)"}
     return {"name": name, "cfg": cfg, "weights": synthetic_weights(cfg), "systems_only": True,
             "weights_source": "synthetic random weights", "label": REGIME_LABELS[name]}
@@ -145,7 +148,7 @@ def heldout_text() -> tuple:
     return FALLBACK_TEXT * 8, "fixed English paragraph (held-out corpus not available)"
 
 
-def prompt_tokens(cfg, n: int, weights_source: str, regime: str) -> tuple:
+def prompt_tokens(cfg, n: int, tokenizer_path=None) -> tuple:
     """(tokens, label): n tokens of held-out text for the trained regime; for synthetic
     weights the text matters little, but the same source keeps the rows comparable."""
     text, label = heldout_text()
@@ -155,10 +158,11 @@ def prompt_tokens(cfg, n: int, weights_source: str, regime: str) -> tuple:
         text = text[cut + 1:]
     try:
         from spel_mlx.tokenizer import load_tokenizer
-        tok = load_tokenizer(cfg.vocab)
+        tok = load_tokenizer(cfg.vocab, tokenizer_path)
         ids = list(tok.encode(text[: 8 * n + 64]))
-    except Exception:
+    except Exception as e:
         ids = [o if o < 128 else 63 for o in map(ord, text[: 8 * n + 64])]
+        label += f"; tokenizer unavailable ({type(e).__name__}), ASCII byte ids"
     ids = [i % cfg.vocab for i in ids]
     return ids[:n], label
 
@@ -172,8 +176,7 @@ def run_worker(job: dict) -> dict:
     try:
         regime = load_regime(job["regime"])
         cfg = regime["cfg"]
-        prompt, prompt_label = prompt_tokens(cfg, job["prompt_len"], regime["weights_source"],
-                                             job["regime"])
+        prompt, prompt_label = prompt_tokens(cfg, job["prompt_len"], regime.get("tokenizer"))
         regime.update(prompt=prompt, prompt_source=prompt_label)
         meta["regime"] = {k: regime[k] for k in ("name", "label", "weights_source",
                                                   "systems_only", "prompt_source")}
