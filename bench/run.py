@@ -37,20 +37,20 @@ LEVELS = {
                                       "drafts": ["c", "mlx"], "b2_repeats": 3, "peers_gen": 8}}},
     "quick": {"regimes": ["21m", "218m"], "runs": 2, "K": 4, "K_ceiling": None, "timeout": 240,
               "sections": ["b1", "b2", "b3", "placement", "peers"], "b2_K": [1, 2, 4, 8, 16],
-              "per_regime": {"21m": {"prompt_len": 32, "warm": 4, "gen": 24, "threads": [1, 2],
+              "per_regime": {"21m": {"prompt_len": 32, "warm": 4, "gen": 24, "threads": "auto",
                                      "drafts": ["c", "mlx"], "b2_repeats": 3, "peers_gen": 16},
-                             "218m": {"prompt_len": 12, "warm": 2, "gen": 6, "threads": [1, 2],
+                             "218m": {"prompt_len": 12, "warm": 2, "gen": 6, "threads": "auto",
                                       "drafts": ["c"], "b2_repeats": 2, "peers_gen": 0,
                                       "runs": 1, "b2_K": [1, 4, 16]}}},
     "full": {"regimes": ["21m", "218m"], "runs": 3, "K": 4, "K_ceiling": 16, "timeout": 600,
              "sections": ["b1", "b2", "b3", "placement", "peers"], "b2_K": [1, 2, 4, 8, 16],
-             "per_regime": {"21m": {"prompt_len": 64, "warm": 8, "gen": 64, "threads": [1, 2],
+             "per_regime": {"21m": {"prompt_len": 64, "warm": 8, "gen": 64, "threads": "auto",
                                     "drafts": ["c", "mlx"], "b2_repeats": 5, "peers_gen": 48},
-                            "218m": {"prompt_len": 32, "warm": 2, "gen": 12, "threads": [1, 2],
+                            "218m": {"prompt_len": 32, "warm": 2, "gen": 12, "threads": "auto",
                                      "drafts": ["c"], "b2_repeats": 2, "peers_gen": 8,
                                      "runs": 2}}},
 }
-DEFAULT_PROTOCOL = {"prompt_len": 32, "warm": 4, "gen": 16, "threads": [1, 2], "drafts": ["c", "mlx"],
+DEFAULT_PROTOCOL = {"prompt_len": 32, "warm": 4, "gen": 16, "threads": "auto", "drafts": ["c", "mlx"],
                     "b2_repeats": 3, "peers_gen": 16}
 PLACEMENT_ALPHA = 0.6  # the projected figure of the calibration table (ranking is alpha-free)
 SECTIONS = ("b1", "b2", "b3", "placement", "peers")
@@ -289,9 +289,18 @@ def normalize_b1(out) -> list:
 
 # --------------------------------------------------------------------------- orchestration
 
+def auto_threads() -> list:
+    """Draft thread counts to measure: 1 and 2, and 4 and 6 where the cores exist
+    (the original reported 1 and 4; the pool takes 1..6)."""
+    cores = os.cpu_count() or 1
+    return sorted({t for t in (1, 2, 4, 6) if t <= max(cores, 2)})
+
+
 def protocol(params: dict, regime: str) -> dict:
-    return {**DEFAULT_PROTOCOL, **params["per_regime"].get(regime, {}),
-            **params.get("override", {})}
+    proto = {**DEFAULT_PROTOCOL, **params["per_regime"].get(regime, {}), **params.get("override", {})}
+    if proto["threads"] == "auto":
+        proto["threads"] = auto_threads()
+    return proto
 
 
 def build_jobs(level: str, params: dict) -> list:
@@ -414,6 +423,10 @@ def level_params(args) -> tuple:
         if not th or any(not 1 <= t <= 6 for t in th):
             raise ValueError(f"--threads {args.threads!r}: each must be in 1..6")
         params.setdefault("override", {})["threads"] = th
+    # resolve "auto" here so the results JSON records the thread counts that ran
+    for proto in params["per_regime"].values():
+        if proto.get("threads") == "auto":
+            proto["threads"] = auto_threads()
     if args.K is not None:
         if not 1 <= args.K <= 16:
             raise ValueError(f"--K {args.K}: must be in 1..16")
