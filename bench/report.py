@@ -345,14 +345,20 @@ def peers_section(results) -> str:
     if not rows:
         return "_Peers were not run._"
     body = []
+    # the SPEL row each peer row is compared with
+    counterpart = {"ar": ("AR target", "target=mlx-cpu", None),
+                   "spec": ("raw spec", "target=mlx-cpu draft=c-cpu", 1),
+                   "oracle": ("full-target oracle", "target=mlx-cpu draft=target", None)}
     for r in rows:
-        spel = _first([x for x in _rows(results, "b3", r["regime"], name="AR target")
-                       if x["placement"] == "target=mlx-cpu"])
         ratio = "—"
-        if r["status"] == common.OK and spel and spel["status"] == common.OK and r["mode"] == "ar":
-            a, b = metric(spel, "tok_s"), metric(r, "tok_s")
+        if r["status"] == common.OK and r["mode"] in counterpart:
+            name, place, th = counterpart[r["mode"]]
+            spel = _first([x for x in _rows(results, "b3", r["regime"], name=name)
+                           if x["placement"] == place and x.get("threads") == th
+                           and x["status"] == common.OK])
+            a, b = (metric(spel, "tok_s") if spel else None), metric(r, "tok_s")
             if a and b:
-                ratio = f"{a / b:.2f}×"
+                ratio = f"{a / b:.2f}× ({name}{', C draft 1 thread' if th else ''})"
         if r["status"] != common.OK:
             body.append([r["regime"], r["name"], r.get("K") or "—", _why(r), "", "", ""])
         else:
@@ -360,7 +366,7 @@ def peers_section(results) -> str:
                          _cell(r, "draft_token_share") if "draft_token_share" in r["metrics"] else "—",
                          fmt_num(metric(r, "params")) if "params" in r["metrics"] else "—", ratio])
     return _table(["regime", "peer", "K", "tok/s", "draft share of tokens", "params",
-                   "SPEL AR / peer AR"], body)
+                   "SPEL / peer tok/s"], body)
 
 
 def problems_section(results) -> str:
