@@ -236,6 +236,8 @@ def fmt_num(x, digits: int = 3) -> str:
     if x == 0:
         return "0"
     a = abs(x)
+    if x.is_integer() and a < 1e6:  # counts (rounds, trips, ranks) print as integers
+        return f"{int(x):,}"
     if a >= 1000:
         return f"{x:,.0f}"
     if a >= 100:

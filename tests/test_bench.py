@@ -135,7 +135,9 @@ def test_merge_runs_medians_ranges_and_failed_runs():
     assert (x["median"], x["min"], x["max"], x["runs"]) == (11.0, 10.0, 14.0, [10.0, 14.0, 11.0])
     assert merged["x"]["process_runs"] == 3
     assert merged["y"]["process_runs"] == 1 and "1 of 2 runs failed: boom" in merged["y"]["note"]
-    assert common.fmt_range(x) == "11.00 (10.00–14.00)"
+    assert common.fmt_range(x) == "11 (10–14)"  # whole numbers (counts) print as integers
+    assert common.fmt_range({"median": 11.5, "min": 10.25, "max": 14.0, "runs": [1, 2, 3]}) == \
+        "11.50 (10.25–14)"
 
 
 def test_write_json_atomic_leaves_no_temp(tmp_path):
