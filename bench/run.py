@@ -46,7 +46,7 @@ LEVELS = {
              "sections": ["b1", "b2", "b3", "placement", "peers"], "b2_K": [1, 2, 4, 8, 16],
              "per_regime": {"21m": {"prompt_len": 64, "warm": 8, "gen": 64, "threads": "auto",
                                     "drafts": ["c", "mlx"], "b2_repeats": 5, "peers_gen": 48},
-                            "218m": {"prompt_len": 32, "warm": 2, "gen": 12, "threads": "auto",
+                            "218m": {"prompt_len": 16, "warm": 2, "gen": 12, "threads": "auto",
                                      "drafts": ["c"], "b2_repeats": 2, "peers_gen": 8,
                                      "runs": 2}}},
 }
