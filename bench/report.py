@@ -416,7 +416,7 @@ def make_plots(results, img_dir) -> tuple:
         ax.set_xlabel("tok/s (median, min–max over process runs)")
         ax.set_title(f"B3 decode, {g} (target MLX CPU, K={K})", fontsize=9)
     fig.tight_layout()
-    p = os.path.join(img_dir, "decode_tok_s.png")
+    p = os.path.join(img_dir, "bench_decode_tok_s.png")
     fig.savefig(p, dpi=110)
     plt.close(fig)
     made.append(("Decode tok/s by mode and placement", p))
@@ -461,7 +461,7 @@ def make_plots(results, img_dir) -> tuple:
     if axes[1].get_legend_handles_labels()[0]:
         axes[1].legend(fontsize=8)
     fig.tight_layout()
-    p = os.path.join(img_dir, "c_v_by_placement.png")
+    p = os.path.join(img_dir, "bench_c_v_by_placement.png")
     fig.savefig(p, dpi=110)
     plt.close(fig)
     made.append(("c and v by placement", p))
@@ -488,7 +488,7 @@ def make_plots(results, img_dir) -> tuple:
         if ax.get_legend_handles_labels()[0]:
             ax.legend(fontsize=6)
     fig.tight_layout()
-    p = os.path.join(img_dir, "speedup_vs_alpha.png")
+    p = os.path.join(img_dir, "bench_speedup_vs_alpha.png")
     fig.savefig(p, dpi=110)
     plt.close(fig)
     made.append(("Measured vs projected speedup across alpha", p))

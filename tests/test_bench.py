@@ -101,7 +101,7 @@ def test_smoke_markdown_and_plots(smoke):
     assert "× AR (cost model)" in md and "not available" in md
     try:
         import matplotlib  # noqa: F401
-        for name in ("decode_tok_s.png", "c_v_by_placement.png", "speedup_vs_alpha.png"):
+        for name in ("bench_decode_tok_s.png", "bench_c_v_by_placement.png", "bench_speedup_vs_alpha.png"):
             data = (out / "img" / name).read_bytes()
             assert data[:8] == b"\x89PNG\r\n\x1a\n"
             assert f"img/{name}" in md
