@@ -434,6 +434,16 @@ def level_params(args) -> tuple:
     return level, params
 
 
+def check_writable(folder: str) -> None:
+    """Fail before measuring, not after, when the report cannot be written."""
+    try:
+        os.makedirs(folder, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=folder, prefix=".probe-"):
+            pass
+    except OSError as e:
+        raise OSError(f"output folder {folder}: cannot write there ({e.strerror or e})") from None
+
+
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
@@ -446,13 +456,19 @@ def main(argv=None) -> int:
     try:
         from . import report
         if args.from_json:
-            with open(args.from_json) as f:
-                results = json.load(f)
+            try:
+                with open(args.from_json) as f:
+                    results = json.load(f)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{args.from_json}: not a results JSON (line {e.lineno}: {e.msg})") from None
+            if not isinstance(results, dict) or results.get("schema") != common.SCHEMA:
+                raise ValueError(f"{args.from_json}: not a {common.SCHEMA} results file")
             out = args.out or os.path.dirname(os.path.abspath(args.from_json))
         else:
             level, params = level_params(args)
             out = args.out or (os.path.join(REPO, "docs") if level == "full"
                                else os.path.join(tempfile.gettempdir(), f"spel-bench-{level}"))
+            check_writable(out)
             log = (lambda s: print(s, file=sys.stderr, flush=True))
             log(f"spel-mlx bench ({level}): regimes {', '.join(params['regimes'])}, "
                 f"{params['runs']} process runs; output in {out}")

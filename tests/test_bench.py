@@ -166,6 +166,17 @@ def test_peers_skipped_with_reason_when_mlx_lm_missing(monkeypatch):
     assert all("mlx-lm not installed" in r["note"] for r in rows)
 
 
+def test_cli_unwritable_output_and_bad_json_fail_before_measuring(tmp_path, capsys):
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    assert run.main(["--smoke", "--out", str(blocker / "sub")]) == 2
+    assert "cannot write there" in capsys.readouterr().err
+    bad = tmp_path / "bad.json"
+    bad.write_text("{")
+    assert run.main(["--from-json", str(bad)]) == 2
+    assert "not a results JSON (line" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("args,msg", [(["--threads", "9"], "each must be in 1..6"),
                                       (["--K", "0"], "must be in 1..16"),
                                       (["--regimes", "99m"], "unknown regime"),
