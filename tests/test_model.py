@@ -270,3 +270,24 @@ def test_info_cli(capsys):
         assert info.main(bad) == 2
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and err[0].startswith("spel_mlx.info: config error:")
+
+
+def test_row_blocked_matmuls(small, monkeypatch):
+    """The CPU row-blocking of Linear (off for SMALL's tiny weights by default),
+    forced on: still the reference function, and strict stays bit-identical."""
+    import spel_mlx.model as model_mod
+    monkeypatch.setattr(model_mod, "BLOCK_BYTES", 8192)
+    monkeypatch.setattr(model_mod, "_BLOCK_FROM_BYTES_M1", 8192)
+    assert model_mod._row_block(96, 64, 1) == 32 and model_mod._row_block(64, 96, 5) == 16
+    w, _ = small
+    model = SpelModel.from_weights(SMALL, w)
+    toks = tokens(20, seed=17)
+    ref = forward_reference(SMALL, w, toks)
+    assert np.abs(decode_batches(model, toks, "target", False, 5) - ref).max() < 1e-4
+    a, b = model.new_state(), model.new_state()
+    batched = model.forward(toks[:5], a, strict=True)
+    singles = []
+    for t in toks[:5]:
+        singles.append(model.forward([t], b))
+        b.commit(1)
+    assert _bytes_differ(batched, mx.concatenate(singles)) == 0
