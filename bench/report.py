@@ -577,6 +577,21 @@ def render(results, plots=(), plot_note="", md_dir=".") -> str:
     L.append("")
     L.append(problems_section(results))
     L.append("")
+    L.append("## Reproducing")
+    L.append("")
+    L.append("```\n"
+             "python -m bench                 # full run: docs/benchmarks.md, docs/img/bench_*.png, docs/benchmarks.json\n"
+             "python -m bench --quick         # under 3 minutes, written to a temporary folder\n"
+             "SPEL_WEIGHTS=model.spelw python -m bench --regimes 21m --out /tmp/b   # another checkpoint\n"
+             "python -m bench --from-json docs/benchmarks.json   # re-render the report only\n"
+             "pip install 'spel-mlx[plots,peers]'                # the optional plots and mlx-lm peers\n"
+             "```")
+    L.append("")
+    L.append("Each process run is a fresh `python -m bench --worker` process; the parent only "
+             "orchestrates, so a crash in one section becomes an error row. Workers run one after "
+             "another (sharing cores would distort the timings). On a shared machine wall-clock "
+             "figures include time other processes held the cores: compare ranges, not digits.")
+    L.append("")
     L.append("Raw results: `benchmarks.json` beside this file (schema "
              f"`{results['schema']}`), with every process run's figures under each metric's `runs`.")
     L.append("")
