@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import contextlib
 
+from spel_mlx.placement import DeviceDraft
+
 from . import common
 from .b2_verify import device_stream, get_model
 from .common import ERROR, make_row, median, unavailable
@@ -45,37 +47,6 @@ def cost_fields(st, ar_token_s: float, ar_tok_s: float, K: int, governed: bool =
             cost = st.spec_rounds * ((K + 1) * c + v) + st.ar_rounds
             m["projected"] = st.tokens / cost if cost else None
     return m
-
-
-class DeviceDraft:
-    """Runs another draft engine's calls on a given MLX device (draft=mlx-gpu while the
-    target stays on the CPU stream)."""
-
-    def __init__(self, inner, dev: str):
-        self.inner, self.dev = inner, dev
-        self.name = f"{inner.name}@{dev}"
-
-    def __getattr__(self, item):
-        return getattr(self.inner, item)
-
-    def _on(self, fn, *a):
-        with device_stream(self.dev):
-            return fn(*a)
-
-    def reset(self):
-        return self._on(self.inner.reset)
-
-    def sync(self, history):
-        return self._on(self.inner.sync, history)
-
-    def propose(self, *a):
-        return self._on(self.inner.propose, *a)
-
-    def commit(self, n):
-        return self._on(self.inner.commit, n)
-
-    def close(self):
-        return self.inner.close()
 
 
 def draft_only_c(engine, prompt, n: int) -> float:

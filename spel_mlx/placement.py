@@ -241,6 +241,51 @@ def choose_placement(model, weights: dict | None = None, **kw) -> Placement:
     return ranked[0]
 
 
+class DeviceDraft:
+    """Runs a draft engine's calls on a given MLX device (e.g. draft=mlx-gpu while the
+    target runs on the CPU), delegating everything else to the engine."""
+
+    def __init__(self, inner, device: str):
+        self.inner, self.device = inner, device
+        self.name = f"{inner.name}@{device}"
+
+    def __getattr__(self, item):
+        return getattr(self.inner, item)
+
+    def _on(self, fn, *a):
+        with mx.stream(_device(self.device)):
+            return fn(*a)
+
+    def reset(self):
+        return self._on(self.inner.reset)
+
+    def sync(self, history):
+        return self._on(self.inner.sync, history)
+
+    def propose(self, *a):
+        return self._on(self.inner.propose, *a)
+
+    def commit(self, n):
+        return self._on(self.inner.commit, n)
+
+    def close(self):
+        return self.inner.close()
+
+
+def apply_placement(p: Placement, model, weights: dict | None = None, k: int | None = None):
+    """Put a chosen placement into effect: MLX's default device becomes the target's,
+    and the draft engine for it is returned (wrapped to run on its own device when that
+    differs from the target's). The caller owns the engine (``close()`` it)."""
+    from .speculative import make_draft
+    if not p.available:
+        raise PlacementError(f"{p.name}: {p.reason}")
+    mx.set_default_device(_device(p.target_device))
+    engine = make_draft(p.draft, model, weights, k=p.k if k is None else k, threads=p.threads or 1)
+    if p.draft == "mlx" and p.draft_device != p.target_device:
+        engine = DeviceDraft(engine, p.draft_device)
+    return engine
+
+
 def format_ranking(ranked: list) -> str:
     """A short table for ``--stats``."""
     lines = ["rank  placement                                   c       v    (K+1)c+v  projected"]

@@ -236,3 +236,21 @@ def test_calibrate_placement_without_weights_and_bad_requests(tiny_model):
         placement.calibrate_placement(model, None, k=0)
     with pytest.raises(placement.PlacementError, match="threads 7"):
         placement.calibrate_placement(model, None, threads=[7])
+
+
+def test_apply_placement_returns_a_working_draft(tiny_model):
+    from spel_mlx import placement
+    from spel_mlx.speculative import SpeculativeDecoder
+    model, weights = tiny_model
+    best = placement.choose_placement(model, weights, k=2, threads=[1], reps=2)
+    engine = placement.apply_placement(best, model, weights)
+    try:
+        dec = SpeculativeDecoder(model, engine, mode="spec", k=2)
+        ar = SpeculativeDecoder(model, None, mode="ar", k=2)
+        prompt = [5, 9, 13, 2, 7]
+        assert dec.generate(prompt, 6) == ar.generate(prompt, 6)  # greedy spec == AR
+    finally:
+        engine.close()
+    off = placement.Placement("gpu", "c", "cpu", 1, available=False, reason="no GPU")
+    with pytest.raises(placement.PlacementError, match="no GPU"):
+        placement.apply_placement(off, model, weights)
