@@ -323,7 +323,7 @@ class SpelModel(nn.Module):
         self.draft = DraftStack(cfg)
         self._ops = DEFAULT_OPS
         self.compile = True      # False: run the passes uncompiled (debugging)
-        # (stack, M, window) -> compiled pass; a plain attribute, not part of the module tree
+        # (stack, M, window, device) -> compiled pass; a plain attribute, not in the module tree
         object.__setattr__(self, "_compiled", {})
 
     # --- weights ------------------------------------------------------------
@@ -443,7 +443,7 @@ class SpelModel(nn.Module):
         M = len(toks)
         base = state.pos + state.pending
         window = _window(base + M, self.cfg.max_seq)
-        key = (state.stack, M, window)
+        key = (state.stack, M, window, str(mx.default_device()))  # device: see _row_block
         fn = self._compiled.get(key)
         if fn is None:
             fn = self._compiled[key] = self._make_pass(state.stack, M, window)
