@@ -15,16 +15,15 @@ PLACEMENT_ALPHA = 0.6
 
 # SPEC 9: the original's figures (Apple M5, C11, FP32 target), for the side-by-side column
 ORIGINAL = {
-    ("21m", "ar"): "366.5–371.0 tok/s",
-    ("21m", "draft1"): "2974–2982 tok/s (c = 0.12)",
-    ("21m", "draft4"): "4395–4628 tok/s at 4 threads (c = 0.08)",
-    ("21m", "raw"): "1.45–1.48× at 4 threads (alpha 0.618, in-domain K=4)",
-    ("21m", "v5"): "1.98–2.02",
-    ("21m", "forced16"): "3.45–3.52× (K=16)",
-    ("21m", "rollback"): "~0.5 ns vs 108–113 µs (4.5 MiB KV)",
-    ("218m", "ar"): "29.5–29.9 tok/s",
-    ("218m", "draft1"): "333–354 tok/s (c = 0.08–0.09)",
-    ("218m", "forced16"): "5.50–5.61× (K=16)",
+    "ar": "21m 366.5–371.0; 218m 29.5–29.9 tok/s",
+    "draft1": "21m 2974–2982 (c 0.12); 218m 333–354 (c 0.08–0.09)",
+    "draft4": "at 4 threads: 21m 4395–4628 (c 0.08); 218m 734–1000 (c 0.03–0.04)",
+    "raw": "21m 1.45–1.48× at 4 threads (alpha 0.618, in-domain prompt, K=4)",
+    "v5": "21m 1.98–2.02 (fast, M=5)",
+    "forced16": "21m 3.45–3.52×; 218m 5.50–5.61× (K=16)",
+    "oracle": "21m 0.82–0.85×; 218m 0.88× (K=16)",
+    "rollback": "~0.5 ns vs 108–113 µs (21m, 4.5 MiB KV)",
+    "b1": "dotprod 17.7–17.9 GMAC/s, 2.66–3.06× FP32 (M5 NEON)",
 }
 
 STATUS_MARK = {common.NOT_AVAILABLE: "not available", common.SKIPPED: "skipped",
@@ -108,41 +107,50 @@ def headline(results) -> tuple:
         + (", projected " + _cell(r, "projected") + "×" if r["status"] == common.OK else "")
         if r["status"] == common.OK else _why(r, 70))
     body = []
+    b1 = [r for r in _rows(results, "b1") if r["status"] == common.OK and r.get("threads") == 1
+          and r["name"].startswith("ternary") and "scalar" not in r["name"] and metric(r, "gmac_s")]
+    if b1:
+        best = max(b1, key=lambda r: metric(r, "gmac_s"))
+        x = metric(best, "x_numpy_fp32")
+        cell = (f"{best['name']}: {fmt_num(metric(best, 'gmac_s'))} GMAC/s"
+                + (f", {fmt_num(x)}× numpy FP32" if x else ""))
+        body.append(["B1 ternary GEMV 4096×1536, best kernel, 1 thread"] +
+                     [cell if i == 0 else "(same machine)" for i, _ in enumerate(regimes)] + [ORIGINAL["b1"]])
     body.append(["AR target tok/s (MLX, CPU)"] +
                 [_cell(b3(g, "AR target"), "tok_s") for g in regimes] +
-                [ORIGINAL.get(("21m", "ar"), "")])
+                [ORIGINAL["ar"]])
     for t in threads:
         body.append([f"draft-only tok/s, C draft, {t} thread{'s' if t > 1 else ''} (c)"] +
                     [(_cell(r, "tok_s") + f" (c = {_cell(r, 'c')})") if r and r["status"] == common.OK
                      else (_why(r, 70) if r else "—")
                      for r in (b3(g, "draft only", "target=mlx-cpu draft=c-cpu", t) for g in regimes)] +
-                    [ORIGINAL.get(("21m", "draft1" if t == 1 else "draft4"), "") if t in (1,) else ""])
+                    [ORIGINAL["draft1"] if t == 1 else (ORIGINAL["draft4"] if t == 4 else "")])
     v_rows = {g: _first([r for r in _rows(results, "b2", g, mode="fast", K=K)
                          if r.get("placement") == "target=mlx-cpu"]) for g in regimes}
     vs_rows = {g: _first([r for r in _rows(results, "b2", g, mode="strict", K=K)
                           if r.get("placement") == "target=mlx-cpu"]) for g in regimes}
     body.append([f"v at M=K+1={K+1}, fast (strict)"] +
                 [f"{_cell(v_rows[g], 'v')} ({_cell(vs_rows[g], 'v')})" for g in regimes] +
-                [ORIGINAL[("21m", "v5")] + " (fast)"])
+                [ORIGINAL["v5"]])
     for name, label in (("raw spec", "raw speculation"), ("governed spec", "governed"),
                         ("forced 0.75", "forced 0.75 (ceiling)"), ("forced 1.00", "forced 1.00 (ceiling)")):
         for t in threads:
             body.append([f"{label}, K={K}, C draft {t} thr"] +
                         [spec_cell(b3(g, name, "target=mlx-cpu draft=c-cpu", t, K)) for g in regimes] +
-                        [ORIGINAL.get(("21m", "raw"), "") if (name == "raw spec" and t == threads[-1]) else ""])
+                        [ORIGINAL["raw"] if (name == "raw spec" and t == threads[-1]) else ""])
     Kc = results["params"].get("K_ceiling")
     if Kc:
         body.append([f"forced 1.00, K={Kc}, C draft 1 thr"] +
                     [spec_cell(b3(g, "forced 1.00", "target=mlx-cpu draft=c-cpu", 1, Kc)) for g in regimes] +
-                    [ORIGINAL[("21m", "forced16")]])
+                    [ORIGINAL["forced16"]])
     body.append(["full-target oracle (draft = target)"] +
-                [spec_cell(b3(g, "full-target oracle")) for g in regimes] + ["0.82–0.85× (K=16)"])
+                [spec_cell(b3(g, "full-target oracle")) for g in regimes] + [ORIGINAL["oracle"]])
     rb = {g: (b3(g, "rollback primitive (commit of K+1 pending)"), b3(g, "copy the attention KV cache"))
           for g in regimes}
     body.append(["rollback primitive vs KV copy"] +
                 [(f"{_cell(p, 'us')} µs vs {_cell(c, 'us')} µs ({_cell(c, 'mib')} MiB)"
                   if p and c and p["status"] == common.OK and c["status"] == common.OK else "—")
-                 for p, c in rb.values()] + [ORIGINAL[("21m", "rollback")]])
+                 for p, c in rb.values()] + [ORIGINAL["rollback"]])
     peer = {g: _first(_rows(results, "peers", g, mode="ar", name="mlx-lm Llama-style greedy (random weights)"))
             for g in regimes}
     peer_gdn = {g: _first(_rows(results, "peers", g, mode="ar",
@@ -151,7 +159,7 @@ def headline(results) -> tuple:
                 [_cell(peer[g], "tok_s") if peer[g] else "—" for g in regimes] + [""])
     body.append(["mlx-lm GDN hybrid greedy, same shape"] +
                 [_cell(peer_gdn[g], "tok_s") if peer_gdn[g] else "—" for g in regimes] + [""])
-    header = ["figure"] + [f"{g}" for g in regimes] + ["original (Apple M5, C11)"]
+    header = ["figure"] + [f"{g}" for g in regimes] + ["original (Apple M5, C11, FP32 target)"]
     return _table(header, body), regimes
 
 
