@@ -322,7 +322,7 @@ class SpelModel(nn.Module):
         self.lm_head = Linear(cfg.d_model, cfg.vocab)
         self.draft = DraftStack(cfg)
         self._ops = DEFAULT_OPS
-        self.compile = True      # False: run the passes uncompiled (debugging)
+        object.__setattr__(self, "_compile", True)
         # (stack, M, window, device) -> compiled pass; a plain attribute, not in the module tree
         object.__setattr__(self, "_compiled", {})
 
@@ -361,6 +361,17 @@ class SpelModel(nn.Module):
         """``{name: np.float32 array}`` in layout order."""
         flat = dict(_flatten(self.parameters()))
         return {s.name: np.array(flat[s.name], dtype=np.float32) for s in layout.tensor_specs(self.cfg)}
+
+    @property
+    def compile(self) -> bool:
+        """True: passes run mx.compile'd; False: the same functions eagerly (debugging,
+        host-reading ops).  Changing it drops the cached passes."""
+        return self._compile
+
+    @compile.setter
+    def compile(self, value: bool) -> None:
+        object.__setattr__(self, "_compile", bool(value))
+        self._compiled.clear()
 
     # --- ops -----------------------------------------------------------------
     @property
