@@ -159,7 +159,8 @@ def headline(results) -> tuple:
                 [_cell(peer[g], "tok_s") if peer[g] else "—" for g in regimes] + [""])
     body.append(["mlx-lm GDN hybrid greedy, same shape"] +
                 [_cell(peer_gdn[g], "tok_s") if peer_gdn[g] else "—" for g in regimes] + [""])
-    header = ["figure"] + [f"{g}" for g in regimes] + ["original (Apple M5, C11, FP32 target)"]
+    header = ["figure"] + [column_name(results, g) for g in regimes] + \
+        ["original (Apple M5, C11, FP32 target)"]
     return _table(header, body), regimes
 
 
@@ -206,8 +207,16 @@ def findings(results) -> str:
     return "\n".join(out)
 
 
+def column_name(results, g) -> str:
+    info = results.get("regimes", {}).get(g)
+    if not info:
+        return g
+    kind = "synthetic" if info.get("systems_only") else "trained"
+    return f"{g} ({info['target_params'] / 1e6:.1f}M, {kind})"
+
+
 def regime_section(results) -> str:
-    out = []
+    out = [f"- {n}" for n in results["params"].get("regime_notes", [])]
     for name, info in results.get("regimes", {}).items():
         cfg = info.get("config", {})
         out.append(f"- **{name}** — {info['label']}. Weights: {info['weights_source']}. "

@@ -35,17 +35,20 @@ LEVELS = {
               "sections": ["b2", "b3", "placement", "peers"], "b2_K": [1, 2, 4],
               "per_regime": {"tiny": {"prompt_len": 16, "warm": 2, "gen": 8, "threads": [1, 2],
                                       "drafts": ["c", "mlx"], "b2_repeats": 3, "peers_gen": 8}}},
-    "quick": {"regimes": ["21m", "218m"], "runs": 2, "K": 4, "K_ceiling": None, "timeout": 240,
+    "quick": {"regimes": ["shipped", "218m"], "runs": 2, "K": 4, "K_ceiling": None, "timeout": 240,
               "sections": ["b1", "b2", "b3", "placement", "peers"], "b2_K": [1, 2, 4, 8, 16],
-              "per_regime": {"21m": {"prompt_len": 32, "warm": 4, "gen": 24, "threads": "auto",
-                                     "drafts": ["c", "mlx"], "b2_repeats": 3, "peers_gen": 16},
+              "per_regime": {"shipped": {"prompt_len": 32, "warm": 4, "gen": 24, "threads": "auto",
+                                         "drafts": ["c", "mlx"], "b2_repeats": 3, "peers_gen": 16},
                              "218m": {"prompt_len": 12, "warm": 2, "gen": 6, "threads": "auto",
                                       "drafts": ["c"], "b2_repeats": 2, "peers_gen": 0,
                                       "runs": 1, "b2_K": [1, 4, 16]}}},
-    "full": {"regimes": ["21m", "218m"], "runs": 3, "K": 4, "K_ceiling": 16, "timeout": 600,
+    "full": {"regimes": ["shipped", "21m", "218m"], "runs": 3, "K": 4, "K_ceiling": 16, "timeout": 600,
              "sections": ["b1", "b2", "b3", "placement", "peers"], "b2_K": [1, 2, 4, 8, 16],
-             "per_regime": {"21m": {"prompt_len": 64, "warm": 8, "gen": 64, "threads": "auto",
-                                    "drafts": ["c", "mlx"], "b2_repeats": 5, "peers_gen": 48},
+             "per_regime": {"shipped": {"prompt_len": 64, "warm": 8, "gen": 64, "threads": "auto",
+                                        "drafts": ["c", "mlx"], "b2_repeats": 5, "peers_gen": 48},
+                            "21m": {"prompt_len": 64, "warm": 8, "gen": 48, "threads": "auto",
+                                    "drafts": ["c", "mlx"], "b2_repeats": 3, "peers_gen": 32,
+                                    "runs": 2},
                             "218m": {"prompt_len": 16, "warm": 2, "gen": 12, "threads": "auto",
                                      "drafts": ["c"], "b2_repeats": 2, "peers_gen": 8,
                                      "runs": 2}}},
@@ -58,22 +61,26 @@ SECTIONS = ("b1", "b2", "b3", "placement", "peers")
 ONCE = ("b1", "peers")
 
 REGIME_LABELS = {
-    "21m": "21m shape, shipped checkpoint",
+    "shipped": "the shipped trained checkpoint (or the one SPEL_WEIGHTS names)",
+    "21m": "21m shape (the original's default)",
     "218m": "218m shape, synthetic random weights (systems behaviour only)",
     "tiny": "tiny shape, synthetic random weights (smoke test only)",
 }
+SHAPE_FIELDS = ("d_model", "n_layers", "n_heads", "head_dim", "d_ff", "attn_period")
 
 
 # --------------------------------------------------------------------------- regimes
 
 def regime_config(name: str):
     from spel_mlx.config import PRESETS, ModelConfig
+    if name == "shipped":
+        return PRESETS["21m"]  # its stand-in shape when no checkpoint is installed
     if name == "tiny":
         return ModelConfig(d_model=64, n_layers=4, n_heads=2, head_dim=32, d_ff=128,
                            max_seq=256, draft_map=(0, 3))
     if name in PRESETS:
         return PRESETS[name]
-    raise ValueError(f"unknown regime {name!r} (known: 21m, 218m, tiny)")
+    raise ValueError(f"unknown regime {name!r} (known: shipped, 21m, 218m, tiny)")
 
 
 def shipped_checkpoint_dir() -> str:
@@ -93,27 +100,64 @@ def synthetic_weights(cfg, seed: int = 0) -> dict:
     return {spec.name: synth_tensor(spec, seed, i) for i, spec in enumerate(tensor_specs(cfg))}
 
 
+def trained_checkpoint() -> tuple:
+    """(Checkpoint, None) for the shipped default (or $SPEL_WEIGHTS), else (None, reason)."""
+    try:
+        from spel_mlx.checkpoint import load_checkpoint
+        return load_checkpoint(None), None
+    except Exception as e:
+        return None, f"{type(e).__name__}: {e}"
+
+
+def same_shape(a, b) -> bool:
+    return all(getattr(a, f) == getattr(b, f) for f in SHAPE_FIELDS)
+
+
+def shape_text(cfg) -> str:
+    return (f"d_model {cfg.d_model}, {cfg.n_layers} layers, {cfg.n_heads} heads, d_ff {cfg.d_ff}, "
+            f"vocab {cfg.vocab}, {cfg.target_params() / 1e6:.2f}M target parameters")
+
+
+def resolve_regimes(regimes: list) -> tuple:
+    """(regimes, notes): the 21m row is left out when it would repeat the shipped one
+    (the shipped checkpoint has the 21m shape, or there is none and its stand-in is 21m)."""
+    if "shipped" not in regimes or "21m" not in regimes:
+        return regimes, []
+    ck, why = trained_checkpoint()
+    if ck is None:
+        return [r for r in regimes if r != "21m"], [
+            "21m: not run separately: no trained checkpoint, so the shipped regime already "
+            "runs the 21m shape with synthetic weights"]
+    if same_shape(ck.cfg, regime_config("21m")):
+        return [r for r in regimes if r != "21m"], [
+            "21m: not run separately: the shipped checkpoint has the 21m shape"]
+    return regimes, []
+
+
 def load_regime(name: str) -> dict:
     """cfg, weights, and labels saying where the weights came from."""
     cfg = regime_config(name)
-    if name == "21m":
-        # the shipped default, or the checkpoint SPEL_WEIGHTS names
-        try:
-            from spel_mlx.checkpoint import load_checkpoint
-            ck = load_checkpoint(None)
+    if name in ("shipped", "21m"):
+        ck, why = trained_checkpoint()
+        if ck is not None and (name == "shipped" or same_shape(ck.cfg, cfg)):
             src = os.path.relpath(ck.source, REPO) if ck.source.startswith(REPO) else ck.source
             tok = os.path.join(ck.source, "tokenizer.model") if os.path.isdir(ck.source) else None
             return {"name": name, "cfg": ck.cfg, "weights": ck.weights, "systems_only": False,
-                    "weights_source": f"checkpoint {src} ({ck.format}, stored {ck.stored_dtype})",
+                    "weights_source": f"trained checkpoint {src} ({ck.format}, stored "
+                                      f"{ck.stored_dtype}; {shape_text(ck.cfg)})",
                     "tokenizer": tok if tok and os.path.isfile(tok) else None,
-                    "label": REGIME_LABELS[name] if not os.environ.get("SPEL_WEIGHTS")
-                    else "21m regime on the checkpoint named by SPEL_WEIGHTS"}
-        except Exception as e:
-            why = f"{type(e).__name__}: {e}"
+                    "label": REGIME_LABELS[name] if name == "shipped" else
+                    "21m shape, the shipped trained checkpoint"}
+        if name == "shipped":
             return {"name": name, "cfg": cfg, "weights": synthetic_weights(cfg), "systems_only": True,
                     "weights_source": "synthetic random weights: no trained checkpoint could be "
                                       f"loaded ({why})",
-                    "label": "21m shape, synthetic weights (shipped checkpoint not available)"}
+                    "label": "no shipped checkpoint: the 21m shape with synthetic weights stands "
+                             "in (systems behaviour only)"}
+        return {"name": name, "cfg": cfg, "weights": synthetic_weights(cfg), "systems_only": True,
+                "weights_source": "synthetic random weights (the shipped checkpoint has another "
+                                  "shape" + (f": {shape_text(ck.cfg)})" if ck is not None else ")"),
+                "label": "21m shape, synthetic random weights (systems behaviour only)"}
     return {"name": name, "cfg": cfg, "weights": synthetic_weights(cfg), "systems_only": True,
             "weights_source": "synthetic random weights", "label": REGIME_LABELS[name]}
 
@@ -385,7 +429,7 @@ def parse_args(argv):
     p.add_argument("--out", help="output folder (default: docs/ for a full run, "
                                  "a temporary folder for --quick/--smoke)")
     p.add_argument("--runs", type=int, help="process runs for headline rows")
-    p.add_argument("--regimes", help="comma list of 21m,218m,tiny")
+    p.add_argument("--regimes", help="comma list of shipped,21m,218m,tiny")
     p.add_argument("--sections", help="comma list of " + ",".join(SECTIONS))
     p.add_argument("--threads", help="draft thread counts, comma list (1..6)")
     p.add_argument("--K", type=int, help="speculation depth for B3 (1..16)")
@@ -409,6 +453,7 @@ def level_params(args) -> tuple:
         for r in regs:
             regime_config(r)
         params["regimes"] = regs
+    params["regimes"], params["regime_notes"] = resolve_regimes(params["regimes"])
     if args.sections:
         secs = [s.strip() for s in args.sections.split(",") if s.strip()]
         bad = [s for s in secs if s not in SECTIONS]

@@ -97,7 +97,7 @@ def test_smoke_markdown_and_plots(smoke):
     for heading in ("# spel-mlx benchmarks", "## Headline", "## B1: kernels",
                     "## B2: verification cost", "## B3: decode", "## Peers", "## Plots"):
         assert heading in md
-    assert "| figure | tiny | original (Apple M5, C11, FP32 target) |" in md
+    assert "| figure | tiny (0.2M, synthetic) | original (Apple M5, C11, FP32 target) |" in md
     assert "× AR (cost model)" in md and "not available" in md
     try:
         import matplotlib  # noqa: F401
