@@ -307,7 +307,11 @@ def main(argv=None) -> int:
     except KeyboardInterrupt:  # before the decoder existed (e.g. while loading)
         print("interrupted", file=sys.stderr)
         return 130
-    except BrokenPipeError:
+    except BrokenPipeError:  # e.g. piped into `head`: stop quietly
+        try:
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        except OSError:
+            pass
         return 0
 
 
