@@ -73,6 +73,8 @@ class NoteBankConfig:
     top_r: int = 2              # R: notes returned by addressing
     ranker: str = "summed"      # "summed" (default) or "votes" (diagnostic)
     query_source: str = "q"     # which captured vector addresses notes: native q or k
+    channel_top: float = 0.1    # a position's score: mean distinctiveness of its most
+                                # distinctive channels (this fraction of C; 1.0 = all)
 
     def validate(self) -> "NoteBankConfig":
         for name in ("chunk", "span", "notes_per_chunk", "coords", "query_positions", "top_r"):
@@ -84,6 +86,8 @@ class NoteBankConfig:
         if self.query_source not in QUERY_SOURCES:
             raise NoteBankError(f"NoteBank query_source={self.query_source!r}: "
                                 f"expected one of {QUERY_SOURCES}")
+        if not (isinstance(self.channel_top, (int, float)) and 0.0 < self.channel_top <= 1.0):
+            raise NoteBankError(f"NoteBank channel_top={self.channel_top!r}: must be in (0, 1]")
         if not isinstance(self.seed, int) or self.seed < 0:
             raise NoteBankError(f"NoteBank seed={self.seed!r}: must be a non-negative integer")
         return self
@@ -156,6 +160,21 @@ def key_distinctiveness(k: np.ndarray) -> np.ndarray:
     return (1.0 - np.einsum("nch,ch->nc", k_hat, mu_hat)).astype(np.float32)
 
 
+def position_scores(dist: np.ndarray, channel_top: float = 0.1) -> np.ndarray:
+    """Per-position score: the mean distinctiveness of the position's top
+    ``ceil(channel_top * C)`` channels. dist ``[n, C]`` -> ``[n]``.
+
+    A rare token tends to stand out strongly in a few layer-heads rather than in all;
+    the plain channel mean (``channel_top=1``) dilutes that."""
+    dist = np.asarray(dist, np.float32)
+    if dist.shape[0] == 0:
+        return np.zeros(0, np.float32)
+    m = max(1, int(np.ceil(channel_top * dist.shape[1] - 1e-9)))
+    if m >= dist.shape[1]:
+        return dist.mean(axis=1)
+    return np.partition(dist, dist.shape[1] - m, axis=1)[:, -m:].mean(axis=1)
+
+
 def select_spans(dist: np.ndarray, span: int, count: int) -> list:
     """Greedy non-overlapping windows of length ``min(span, n)`` with the largest sum
     of per-position excess distinctiveness ``max(0, dist - median(dist))``; ties go to
@@ -222,7 +241,7 @@ class NoteWriter:
         new = []
         if k.shape[0]:
             dist = key_distinctiveness(k)
-            per_pos = dist.mean(axis=1)
+            per_pos = position_scores(dist, self.cfg.channel_top)
             for s, e, score in select_spans(per_pos, self.cfg.span, self.cfg.notes_per_chunk):
                 key = span_key(k[s:e], dist[s:e])                         # [C, hd]
                 proj = np.einsum("cph,ch->cp", self.projection, key)      # [C, coords]
@@ -870,6 +889,8 @@ def main(argv=None) -> int:
     d.add_argument("--query-positions", type=int, default=4)
     d.add_argument("--top-r", type=int, default=2)
     d.add_argument("--query-source", choices=QUERY_SOURCES, default="q")
+    d.add_argument("--channel-top", type=float, default=0.1,
+                   help="fraction of channels whose distinctiveness scores a position (1 = mean)")
     d.add_argument("--spec-tokens", type=int, default=16, help="speculative run length (0: skip)")
     d.add_argument("--json", help="also write the measurements to this JSON file (atomically)")
     args = ap.parse_args(argv)
@@ -878,7 +899,8 @@ def main(argv=None) -> int:
     try:
         cfg = NoteBankConfig(chunk=args.chunk, span=args.span, notes_per_chunk=args.notes_per_chunk,
                              query_positions=args.query_positions, top_r=args.top_r,
-                             query_source=args.query_source).validate()
+                             query_source=args.query_source,
+                             channel_top=args.channel_top).validate()
         if args.tokens < 3 * 16:
             raise NoteBankError(f"--tokens={args.tokens}: need at least 48 to plant three needles")
         model, tok, label = _load_for_demo(args)

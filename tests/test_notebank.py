@@ -59,6 +59,15 @@ def test_distinctiveness_formula():
     assert np.allclose(d[:, 0], [1 - mu[0], 1 - mu[0], 1 - mu[1]], atol=1e-6)
 
 
+def test_position_scores_top_channels():
+    d = np.array([[0.1, 0.9, 0.5, 0.3], [0.2, 0.2, 0.2, 0.2]], np.float32)
+    assert np.allclose(nb.position_scores(d, 1.0), [0.45, 0.2])
+    assert np.allclose(nb.position_scores(d, 0.25), [0.9, 0.2])     # top 1 of 4
+    assert np.allclose(nb.position_scores(d, 0.5), [0.7, 0.2])      # top 2 of 4
+    assert np.allclose(nb.position_scores(d, 0.01), [0.9, 0.2])     # at least one channel
+    assert nb.position_scores(np.zeros((0, 4), np.float32)).shape == (0,)
+
+
 def test_select_spans_greedy_nonoverlapping_ties_first():
     d = np.zeros(20)
     d[12:14] = 1.0
@@ -180,6 +189,8 @@ def test_config_validation():
         nb.NoteBankConfig(ranker="max").validate()
     with pytest.raises(nb.NoteBankError, match="query_source"):
         nb.NoteBankConfig(query_source="v").validate()
+    with pytest.raises(nb.NoteBankError, match="channel_top"):
+        nb.NoteBankConfig(channel_top=0.0).validate()
 
 
 # ============================================================================= model-backed
