@@ -434,7 +434,8 @@ def parse_args(argv):
     p.add_argument("--threads", help="draft thread counts, comma list (1..6)")
     p.add_argument("--K", type=int, help="speculation depth for B3 (1..16)")
     p.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
-    p.add_argument("--from-json", help="only regenerate the report from an existing results JSON")
+    p.add_argument("--from-json", help="only regenerate the report from results JSON file(s); "
+                                       "a comma list combines runs of different regimes")
     p.add_argument("--worker", help=argparse.SUPPRESS)
     p.add_argument("--worker-out", help=argparse.SUPPRESS)
     return p.parse_args(argv)
@@ -479,6 +480,45 @@ def level_params(args) -> tuple:
     return level, params
 
 
+def read_results(path: str) -> dict:
+    try:
+        with open(path) as f:
+            results = json.load(f)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path}: not a results JSON (line {e.lineno}: {e.msg})") from None
+    if not isinstance(results, dict) or results.get("schema") != common.SCHEMA:
+        raise ValueError(f"{path}: not a {common.SCHEMA} results file")
+    return results
+
+
+def combine_results(parts: list) -> dict:
+    """One results document from runs of different regimes (``--from-json a.json,b.json``):
+    rows of a regime come from the first part that has it; B1 from the first part with B1."""
+    first = parts[0]
+    out = json.loads(json.dumps(first))
+    seen = set(first["params"]["regimes"])
+    has_b1 = any(r["section"] == "b1" for r in first["rows"])
+    for part in parts[1:]:
+        if part["level"] != first["level"]:
+            raise ValueError(f"cannot combine a {part['level']} run with a {first['level']} run")
+        new = [g for g in part["params"]["regimes"] if g not in seen]
+        seen.update(new)
+        out["params"]["regimes"] += new
+        for g in new:
+            if g in part["params"].get("per_regime", {}):
+                out["params"]["per_regime"][g] = part["params"]["per_regime"][g]
+            if g in part.get("regimes", {}):
+                out["regimes"][g] = part["regimes"][g]
+        out["rows"] += [r for r in part["rows"]
+                        if r.get("regime") in new or (r["section"] == "b1" and not has_b1)]
+        has_b1 = has_b1 or any(r["section"] == "b1" for r in part["rows"])
+        out["params"]["regime_notes"] = list(dict.fromkeys(
+            out["params"].get("regime_notes", []) + part["params"].get("regime_notes", [])))
+        out["process_meta"] += part.get("process_meta", [])
+        out["wall_s"] = round(out["wall_s"] + part["wall_s"], 1)
+    return out
+
+
 def check_writable(folder: str) -> None:
     """Fail before measuring, not after, when the report cannot be written."""
     try:
@@ -501,14 +541,12 @@ def main(argv=None) -> int:
     try:
         from . import report
         if args.from_json:
-            try:
-                with open(args.from_json) as f:
-                    results = json.load(f)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{args.from_json}: not a results JSON (line {e.lineno}: {e.msg})") from None
-            if not isinstance(results, dict) or results.get("schema") != common.SCHEMA:
-                raise ValueError(f"{args.from_json}: not a {common.SCHEMA} results file")
-            out = args.out or os.path.dirname(os.path.abspath(args.from_json))
+            paths = [p for p in args.from_json.split(",") if p.strip()]
+            parts = [read_results(p) for p in paths]
+            results = combine_results(parts) if len(parts) > 1 else parts[0]
+            out = args.out or os.path.dirname(os.path.abspath(paths[0]))
+            if len(parts) > 1:
+                common.write_json_atomic(os.path.join(out, "benchmarks.json"), results)
         else:
             level, params = level_params(args)
             out = args.out or (os.path.join(REPO, "docs") if level == "full"

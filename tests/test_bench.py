@@ -117,6 +117,25 @@ def test_report_regenerates_from_json(smoke, tmp_path):
     assert "Plots skipped (--no-plots)." in md and "## Headline" in md
 
 
+def test_results_of_two_runs_combine_by_regime(smoke, tmp_path):
+    out, res, _, _ = smoke
+    other = json.loads(json.dumps(res))
+    other["params"]["regimes"] = ["other"]
+    other["regimes"] = {"other": dict(res["regimes"]["tiny"], name="other")}
+    other["params"]["per_regime"] = {"other": res["params"]["per_regime"]["tiny"]}
+    for r in other["rows"]:
+        r["regime"] = "other"
+    a, b = tmp_path / "a.json", tmp_path / "b.json"
+    a.write_text(json.dumps(res))
+    b.write_text(json.dumps(other))
+    assert run.main(["--from-json", f"{a},{b}", "--out", str(tmp_path / "o"), "--no-plots"]) == 0
+    comb = json.loads((tmp_path / "o" / "benchmarks.json").read_text())
+    assert comb["params"]["regimes"] == ["tiny", "other"]
+    assert len(comb["rows"]) == 2 * len(res["rows"])
+    assert "| figure | tiny (0.2M, synthetic) | other (0.2M, synthetic) |" in \
+        (tmp_path / "o" / "benchmarks.md").read_text()
+
+
 def test_cost_model_reproduces_the_originals_projection():
     # the original's 21m K=16 serial-draft figures: c = 0.12, v = 2.69..2.74 -> 3.51..3.56x at alpha 1
     assert common.cost_model_speedup(1.0, 16, 0.12, 2.69) == pytest.approx(17 / (17 * 0.12 + 2.69))
