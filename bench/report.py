@@ -111,9 +111,10 @@ def headline(results) -> tuple:
           and r["name"].startswith("ternary") and "scalar" not in r["name"] and metric(r, "gmac_s")]
     if b1:
         best = max(b1, key=lambda r: metric(r, "gmac_s"))
-        x = metric(best, "x_numpy_fp32")
+        x, xc = metric(best, "x_numpy_fp32"), metric(best, "x_numpy_fp32_cpu")
         cell = (f"{best['name']}: {fmt_num(metric(best, 'gmac_s'))} GMAC/s"
-                + (f", {fmt_num(x)}× numpy FP32" if x else ""))
+                + (f", {fmt_num(x)}× numpy FP32 GEMV" if x else "")
+                + (f" ({fmt_num(xc)}× per CPU-second)" if xc else ""))
         body.append(["B1 ternary GEMV 4096×1536, best kernel, 1 thread"] +
                      [cell if i == 0 else "(same machine)" for i, _ in enumerate(regimes)] + [ORIGINAL["b1"]])
     body.append(["AR target tok/s (MLX, CPU)"] +
@@ -599,7 +600,7 @@ def render(results, plots=(), plot_note="", md_dir=".") -> str:
     L.append("```\n"
              "python -m bench                 # full run: docs/benchmarks.md, docs/img/bench_*.png, docs/benchmarks.json\n"
              "python -m bench --quick         # under 3 minutes, written to a temporary folder\n"
-             "SPEL_WEIGHTS=model.spelw python -m bench --regimes 21m --out /tmp/b   # another checkpoint\n"
+             "SPEL_WEIGHTS=model.spelw python -m bench --regimes shipped --out /tmp/b   # another checkpoint\n"
              "python -m bench --from-json docs/benchmarks.json   # re-render the report only\n"
              "pip install 'spel-mlx[plots,peers]'                # the optional plots and mlx-lm peers\n"
              "```")
