@@ -264,15 +264,29 @@ class NgramDraft(DraftEngine):
 
 
 class AutoDraft(DraftEngine):
-    """n-gram proposal when the context repeats, the model draft otherwise."""
+    """n-gram proposal when the context repeats, the model draft otherwise.
+
+    The model draft sits behind its own small governor (`gate`): when its rolling
+    acceptance falls below the threshold, rounds without an n-gram match run as
+    AR rounds instead of paying a verify batch for proposals that are rejected,
+    and the model draft is re-probed after `gate.resume_after` such rounds.
+    n-gram proposals are never gated (a miss costs nothing to propose)."""
 
     name = "auto"
 
-    def __init__(self, ngram: NgramDraft, model_draft: DraftEngine):
+    def __init__(self, ngram: NgramDraft, model_draft: DraftEngine, gate: "GovernorConfig | None" = None):
         self.ngram, self.model_draft = ngram, model_draft
+        self.gate_cfg = gate or GovernorConfig(window=8, alpha_threshold=0.3, min_rounds=4,
+                                               zero_accept_trip=False, resume_after=32)
+        self.reset_counters()
+        self._pending_commit = None
+        self._proposed = 0
+
+    def reset_counters(self):
         self.used_ngram = 0
         self.used_model = 0
-        self._pending_commit = None
+        self.gated = 0
+        self.gate = Governor(self.gate_cfg)
 
     @property
     def forwards(self):
@@ -281,7 +295,7 @@ class AutoDraft(DraftEngine):
     def reset(self):
         self.ngram.reset()
         self.model_draft.reset()
-        self.used_ngram = self.used_model = 0
+        self.reset_counters()
 
     def sync(self, history):
         self.model_draft.sync(history)
@@ -292,13 +306,21 @@ class AutoDraft(DraftEngine):
             self.used_ngram += 1
             self._pending_commit = None
             return toks, qs
+        if not self.gate.drafting:
+            self.gated += 1
+            self.gate.ar_tokens(1)
+            self._pending_commit = None
+            return [], None
         self.used_model += 1
         self._pending_commit = self.model_draft
-        return self.model_draft.propose(history, pending, k, params, rng)
+        toks, qs = self.model_draft.propose(history, pending, k, params, rng)
+        self._proposed = len(toks)
+        return toks, qs
 
     def commit(self, n: int):
         if self._pending_commit is not None:
             self._pending_commit.commit(n)
+            self.gate.record(n - 1, self._proposed)
         self._pending_commit = None
 
     def close(self):
@@ -462,15 +484,17 @@ class SpeculativeDecoder:
             self.draft.close()
 
     # -- helpers -----------------------------------------------------------
-    def _calibrate_ar(self, pending, reps: int = 3) -> float:
-        """Time single-token target forwards without committing (state unchanged)."""
-        best = math.inf
-        for _ in range(reps):
+    def _calibrate_ar(self, pending, reps: int = 5) -> float:
+        """Median time of single-token target forwards, uncommitted (state unchanged);
+        the first call is a warm-up (it may compile the step)."""
+        times = []
+        for i in range(reps + 1):
             t0 = time.perf_counter()
             mx.eval(self.target.verify([pending]))
-            best = min(best, time.perf_counter() - t0)
+            if i:
+                times.append(time.perf_counter() - t0)
             self.target.state.discard()
-        return best
+        return float(np.median(times))
 
     def generate(self, prompt, max_tokens: int, on_tokens=None, stop_tokens=(),
                  calibrate: bool = False):
@@ -616,6 +640,10 @@ class SpeculativeDecoder:
                     ng = draft if isinstance(draft, NgramDraft) else draft.ngram
                     st.extra["ngram_hits"] = ng.hits
                     st.extra["ngram_lookups"] = ng.lookups
+                if isinstance(draft, AutoDraft):
+                    st.extra["auto_model_rounds"] = draft.used_model
+                    st.extra["auto_gated_rounds"] = draft.gated
+                    st.extra["auto_gate_trips"] = draft.gate.trips
             if st.ar_rounds and st.ar_token_s is None:
                 st.ar_token_s = st.ar_s / st.ar_rounds
         return out

@@ -246,6 +246,22 @@ def test_ngram_and_auto_on_repetitive_text():
     assert auto.used_ngram > 0 and auto.used_model > 0
 
 
+def test_auto_gates_a_useless_model_draft():
+    model = ToyModel(draft_noise=30.0, seed=6)   # the model draft never agrees
+    prompt = [7, 1, 9]
+    ref = toy_ar(model, prompt, 80)
+    auto = sp.AutoDraft(sp.NgramDraft(12), sp.ModelDraft(model, "draft", ring=5))
+    dec = sp.SpeculativeDecoder(model, auto, "spec", k=4)
+    assert dec.generate(prompt, 80) == ref
+    st = dec.stats
+    assert st.extra["auto_gate_trips"] >= 1 and st.extra["auto_gated_rounds"] > 0
+    assert auto.used_model < 20  # a few probes, not every n-gram miss
+    good = sp.AutoDraft(sp.NgramDraft(12), sp.ModelDraft(model, "target", ring=5))
+    dec = sp.SpeculativeDecoder(model, good, "spec", k=4)
+    assert dec.generate(prompt, 80) == ref
+    assert dec.stats.extra["auto_gate_trips"] == 0
+
+
 def test_stop_tokens_truncate_round():
     model = ToyModel(draft_noise=0.0)
     ref = toy_ar(model, [1, 2], 40)
