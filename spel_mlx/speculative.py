@@ -30,6 +30,10 @@ import numpy as np  # noqa: E402
 
 MODES = ("ar", "spec", "governed", "forced", "oracle")
 MAX_K = 16
+# Ring slots of the MLX states: at least K+1 (one verify batch), and at least 16 so
+# prompts prefill in 16-token batches (measured 1.7x faster prefill than 5-token
+# chunks on the 8-layer pilot; a slot is one S [H,hd,hd] per GDN layer).
+PREFILL_RING = 16
 
 
 class DecodeError(ValueError):
@@ -50,7 +54,7 @@ class TargetRunner:
         self.model = model
         self.cfg = model.cfg
         self.strict = strict
-        self.ring = max(2, ring)
+        self.ring = max(2, ring, PREFILL_RING)
         self.state = model.new_state("target", ring=self.ring)
         self.pos = 0
 
@@ -119,7 +123,7 @@ class ModelDraft(DraftEngine):
 
     def __init__(self, model, stack: str = "draft", ring: int = 5, strict: bool = False):
         self.model, self.stack, self.strict = model, stack, strict
-        self.ring = max(2, ring)
+        self.ring = max(2, ring, PREFILL_RING)
         self.name = "mlx" if stack == "draft" else "target"
         self.reset()
 
