@@ -328,19 +328,26 @@ class _Log:
 
 
 def train(run: str, cfg: ModelConfig | None, tc: TrainConfig, tokenizer=None,
-          stop_after: int | None = None, quiet: bool = False) -> dict:
+          stop_after: int | None = None, quiet: bool = False, extend_to: int | None = None) -> dict:
     """Train (or resume) in `run`. `stop_after`: stop (with a checkpoint) after this
-    many steps of this invocation, simulating a killed run in tests. Returns a summary."""
+    many steps of this invocation, simulating a killed run in tests. `extend_to`: on
+    resume, lengthen the schedule to this many steps (the cosine is recomputed over
+    the new total). Returns a summary."""
     os.makedirs(run, exist_ok=True)
     resume = os.path.exists(os.path.join(run, "ckpt", "state.json")) or \
         os.path.exists(os.path.join(run, "ckpt.old", "state.json"))
     ctl = Controller()
+    old_steps = None
     if resume:
         state, cfg, params, m, v = load_checkpoint_dir(run)
         tc = TrainConfig(**state["train"])
         step, adam_t = state["step"], state["adam_t"]
         cs = state["controller"]
         ctl = Controller(**cs)
+        if extend_to is not None and extend_to != tc.steps:
+            if extend_to < step:
+                raise TrainError(f"--steps {extend_to} is below the run's current step {step}")
+            old_steps, tc.steps = tc.steps, extend_to
     else:
         if tc.mode == "draft":
             if not tc.init:
@@ -382,7 +389,9 @@ def train(run: str, cfg: ModelConfig | None, tc: TrainConfig, tokenizer=None,
     eval_bytes = len(tokenizer.decode(ex.reshape(-1).tolist()))  # bytes the eval targets cover (approx.)
     log = _Log(run, quiet)
     if resume:
-        log.event({"event": "resume", "step": step}, f"resumed {run} at step {step}/{tc.steps}")
+        log.event({"event": "resume", "step": step, "steps": tc.steps},
+                  f"resumed {run} at step {step}/{tc.steps}" +
+                  (f" (schedule extended from {old_steps} steps)" if old_steps is not None else ""))
     else:
         log.event({"event": "start", "model": cfg.to_dict(), "train": dataclasses.asdict(tc),
                    "params": cfg.target_params() if tc.mode == "target" else cfg.draft_params()},
@@ -575,7 +584,8 @@ def main(argv=None) -> int:
                     raise TrainError("draft mode takes its shape from --init; drop --config")
             if cfg is not None and isinstance(cfg.draft_map, list):
                 cfg = cfg.replace(draft_map=tuple(cfg.draft_map))
-            s = train(a.run, cfg, _tc_from_args(a, a.cmd))
+            resuming = os.path.exists(os.path.join(a.run, "ckpt", "state.json"))
+            s = train(a.run, cfg, _tc_from_args(a, a.cmd), extend_to=a.steps if resuming else None)
             print(json.dumps(s, default=float))
         elif a.cmd == "export":
             print(export_run(a.run, a.out, a.dtype, data_dir=a.data, spelw_path=a.spelw))

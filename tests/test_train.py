@@ -291,3 +291,13 @@ def test_clean_kjv_drops_verse_numbers():
     assert corpus.clean_kjv(raw) == ("Genesis 1\nIn the beginning God created the heaven and the earth.\n"
                                      "And the earth was without form, and void; and darkness was upon "
                                      "the face of the deep.\n")
+
+
+def test_resume_can_extend_the_schedule(tmp_path, data_dir):
+    run = str(tmp_path / "ext")
+    T.train(run, TINY, _tc(data_dir, steps=8), tokenizer=ByteTokenizer(), quiet=True)
+    s = T.train(run, None, _tc(data_dir), tokenizer=ByteTokenizer(), quiet=True, extend_to=14)
+    assert s["step"] == 14 and T.load_checkpoint_dir(run)[0]["train"]["steps"] == 14
+    assert len(_losses(run)) == 14
+    with pytest.raises(T.TrainError, match="below the run's current step"):
+        T.train(run, None, _tc(data_dir), tokenizer=ByteTokenizer(), quiet=True, extend_to=3)
