@@ -573,6 +573,8 @@ def main(argv=None) -> int:
     al.add_argument("--draft-min", type=float, default=25.0)
     al.add_argument("--vocab", type=int, default=2048)
     al.add_argument("--out", default="spel_mlx/assets/default")
+    al.add_argument("--tokenizer-out", default="", help="where the SentencePiece model goes "
+                    "(default spel_mlx/assets/tokenizer.model)")
     a = ap.parse_args(argv)
     try:
         if a.cmd in ("target", "draft"):
@@ -593,14 +595,17 @@ def main(argv=None) -> int:
             from . import corpus
             from .tokenizer import DEFAULT_SP_MODEL, train_sentencepiece
             corpus.prepare(a.data)
-            train_sentencepiece(os.path.join(a.data, "train.txt"), DEFAULT_SP_MODEL, a.vocab)
+            sp_path = a.tokenizer_out or DEFAULT_SP_MODEL
+            train_sentencepiece(os.path.join(a.data, "train.txt"), sp_path, a.vocab)
             cfg = ModelConfig(**{**ModelConfig().to_dict(), **parse_config_string(a.config)})
             cfg = cfg.replace(draft_map=tuple(cfg.draft_map), vocab=a.vocab)
             tr, dr = os.path.join(a.runs, "target"), os.path.join(a.runs, "draft")
-            train(tr, cfg, TrainConfig(mode="target", budget_min=a.target_min, data=a.data))
-            train(dr, None, TrainConfig(mode="draft", budget_min=a.draft_min, data=a.data, init=tr,
-                                        lr=5e-4, warmup=20))
-            print(export_run(dr, a.out, data_dir=a.data))
+            train(tr, cfg, TrainConfig(mode="target", budget_min=a.target_min, data=a.data, batch=4,
+                                       warmup=40, eval_tokens=8192, ckpt_every=50, tokenizer=sp_path))
+            train(dr, None, TrainConfig(mode="draft", budget_min=a.draft_min, data=a.data, init=tr, batch=4,
+                                        lr=1e-3, warmup=20, eval_every=50, eval_tokens=4096,
+                                        ckpt_every=50, tokenizer=sp_path))
+            print(export_run(dr, a.out, data_dir=a.data, tokenizer_path=sp_path))
     except (TrainError, ConfigError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
