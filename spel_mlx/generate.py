@@ -73,6 +73,10 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--strict", action="store_true", help="strict (bit-exact) verification path")
     ap.add_argument("--governor-resume", type=int, default=0, metavar="N",
                     help="governed mode: re-probe drafting after N AR tokens (0 = never)")
+    ap.add_argument("--governor-window", type=int, default=8, metavar="ROUNDS",
+                    help="governed mode: rounds in the rolling acceptance window (default 8)")
+    ap.add_argument("--alpha-threshold", type=float, default=0.3,
+                    help="governed mode: suspend drafting below this rolling acceptance (default 0.3)")
     ap.add_argument("--stats", action="store_true", help="one JSON line of statistics on stderr")
     ap.add_argument("--no-stream", action="store_true", help="print the text only at the end")
     return ap
@@ -208,6 +212,10 @@ def run(argv=None, stdout=None, stderr=None) -> int:
             raise UsageError(f"--max-tokens {args.max_tokens}: must be >= 0")
         if args.governor_resume < 0:
             raise UsageError(f"--governor-resume {args.governor_resume}: must be >= 0")
+        if args.governor_window < 1:
+            raise UsageError(f"--governor-window {args.governor_window}: must be >= 1")
+        if not (0.0 <= args.alpha_threshold <= 1.0):
+            raise UsageError(f"--alpha-threshold {args.alpha_threshold}: must be in [0, 1]")
         from . import sampling as smp
         penalty = args.repetition_penalty
         if penalty is None:  # --temperature 0 alone means exact greedy
@@ -249,7 +257,8 @@ def run(argv=None, stdout=None, stderr=None) -> int:
                                  f"reinstall with `pip install -e .` or use --draft mlx") from None
             except ValueError as e:
                 raise UsageError(f"--draft {draft_kind}: {e}") from None
-        gov = sp.GovernorConfig(resume_after=args.governor_resume)
+        gov = sp.GovernorConfig(window=args.governor_window, alpha_threshold=args.alpha_threshold,
+                                resume_after=args.governor_resume)
         dec = sp.SpeculativeDecoder(model, draft, mode, k=K, strict=args.strict, params=params,
                                     governor=gov, forced_alpha=forced_alpha)
     except NoCheckpoint as e:
@@ -284,12 +293,18 @@ def run(argv=None, stdout=None, stderr=None) -> int:
                   "vocab": cfg.vocab, "temperature": params.temperature, "top_p": params.top_p,
                   "top_k": params.top_k, "repetition_penalty": params.repetition_penalty,
                   "seed": params.seed,
-                  "draft_threads": getattr(getattr(draft, "d", None), "threads", None)})
+                  "draft_threads": _draft_threads(draft)})
         if forced_alpha is not None:
             d["forced_alpha"] = forced_alpha
         print(json.dumps(d), file=stderr, flush=True)
     dec.close()
     return code
+
+
+def _draft_threads(draft):
+    """Worker threads of the C draft in use (also behind `auto`), else None."""
+    inner = getattr(draft, "model_draft", draft)
+    return getattr(getattr(inner, "d", None), "threads", None)
 
 
 def _c_draft_available() -> bool:

@@ -122,6 +122,8 @@ def test_runs_into_max_seq(ckpt):
     (["--config", "colour=red"], "unknown config key"),
     (["--prompt-file", "/nonexistent/p.txt"], "--prompt-file"),
     (["--mode", "oracle", "--draft", "ngram"], "conflicts"),
+    (["--alpha-threshold", "1.5"], "--alpha-threshold"),
+    (["--governor-window", "0"], "--governor-window"),
 ])
 def test_bad_input_one_line_exit_2(ckpt, argv, needle):
     code, out, err = run("--checkpoint", ckpt, *argv)
