@@ -454,6 +454,12 @@ def test_real_c_draft_fidelity(tiny, threads):
                 alphas.append(dec.stats.alpha)
         draft.close()
     assert max(alphas) > 0
+    # fast mode (GEMM verify) with the C draft: token-equivalent on every prompt
+    draft = sp.make_draft("c", tiny.model, tiny.w, k=4, threads=threads)
+    for prompt, ref in zip(tiny.prompts, tiny.ref[False]):
+        dec = sp.SpeculativeDecoder(tiny.model, draft, "governed" if threads == 2 else "spec", k=4)
+        assert dec.generate(prompt, N_REAL) == ref, (threads, "fast")
+    draft.close()
 
 
 def test_real_c_draft_sampling_seeded(tiny):
