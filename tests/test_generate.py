@@ -237,3 +237,15 @@ def test_selftest_reports_a_failing_suite(monkeypatch):
     assert selftest.run(cfg, out=out) == 1
     assert "[1] always broken" in out.getvalue() and "RuntimeError: boom" in out.getvalue()
     assert out.getvalue().splitlines()[-1].startswith("FAIL (1 failure)")
+
+
+def test_spel_spec_k_env(ckpt, monkeypatch):
+    monkeypatch.setenv("SPEL_SPEC_K", "8")
+    code, out, err = run("--checkpoint", ckpt, "--max-tokens", 6, "--temperature", 0, "--stats",
+                         "--draft", "mlx")
+    assert code == 0 and stats_of(err)["k"] == 8
+    code, out, err = run("--checkpoint", ckpt, "--max-tokens", 6, "--spec-k", 2, "--stats", "--draft", "mlx")
+    assert code == 0 and stats_of(err)["k"] == 2   # the flag wins over the environment
+    monkeypatch.setenv("SPEL_SPEC_K", "20")
+    code, out, err = run("--checkpoint", ckpt, "--max-tokens", 6)
+    assert code == 2 and "spec_k=20" in err and err.count("\n") == 1
