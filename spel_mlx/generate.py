@@ -114,9 +114,11 @@ def read_prompt(args) -> str:
     return DEFAULT_PROMPT if args.prompt is None else args.prompt
 
 
-def find_tokenizer_path(args, ckpt_path: str):
+def find_tokenizer_path(args, ckpt_path: str, vocab: int):
     if args.tokenizer:
         return args.tokenizer
+    if vocab == 128:  # the original's ASCII byte vocabulary, whatever lies beside the file
+        return None
     folder = ckpt_path if os.path.isdir(ckpt_path) else os.path.dirname(os.path.abspath(ckpt_path))
     beside = os.path.join(folder, "tokenizer.model")
     return beside if os.path.isfile(beside) else None
@@ -187,7 +189,7 @@ def _load(args):
     except ConfigError as e:
         raise UsageError(f"config: {e}") from None
     try:
-        tok = load_tokenizer(cfg.vocab, find_tokenizer_path(args, ck.source))
+        tok = load_tokenizer(cfg.vocab, find_tokenizer_path(args, ck.source, cfg.vocab))
     except TokenizerError as e:
         raise UsageError(f"tokenizer: {e}") from None
     if getattr(tok, "vocab_size", cfg.vocab) != cfg.vocab:
