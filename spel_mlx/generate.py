@@ -125,37 +125,47 @@ def find_tokenizer_path(args, ckpt_path: str, vocab: int):
 
 
 class TextStream:
-    """Incremental detokenization: prints only text that later tokens cannot
-    change (held back while it ends in an incomplete UTF-8 sequence)."""
+    """Incremental detokenization.  Each round decodes only the tokens not yet
+    printed, after a few already-printed ones (so a leading SentencePiece space
+    survives); text ending in an incomplete UTF-8 sequence is held back until
+    the next round completes it.  O(tokens) overall, not O(tokens^2)."""
+
+    ANCHOR = 8
 
     def __init__(self, tokenizer, context, out, enabled: bool):
         self.tok, self.out, self.enabled = tokenizer, out, enabled
-        self.context = list(context[-8:])  # a little prompt so a leading space survives decoding
-        self.base = tokenizer.decode(self.context)
+        self.context = list(context[-self.ANCHOR:])
+        self.anchor = list(self.context)
+        self.unprinted: list = []
         self.tokens: list = []
-        self.printed = ""
+
+    def _decode_after(self, anchor, toks) -> str:
+        base = self.tok.decode(anchor)
+        full = self.tok.decode(anchor + toks)
+        return full[len(base):] if full.startswith(base) else self.tok.decode(toks)
 
     def text(self) -> str:
-        full = self.tok.decode(self.context + self.tokens)
-        return full[len(self.base):] if full.startswith(self.base) else self.tok.decode(self.tokens)
+        return self._decode_after(self.context, self.tokens)
 
     def push(self, tokens):
         self.tokens.extend(tokens)
         if not self.enabled:
             return
-        t = self.text().rstrip("\ufffd")
-        if t.startswith(self.printed) and len(t) > len(self.printed):
-            self.out.write(t[len(self.printed):])
-            self.out.flush()
-            self.printed = t
+        self.unprinted.extend(tokens)
+        new = self._decode_after(self.anchor, self.unprinted)
+        if not new or new.endswith("\ufffd"):
+            return
+        self.out.write(new)
+        self.out.flush()
+        self.anchor = (self.anchor + self.unprinted)[-self.ANCHOR:]
+        self.unprinted = []
 
     def finish(self):
-        t = self.text()
         if self.enabled:
-            if t.startswith(self.printed):
-                self.out.write(t[len(self.printed):])
+            if self.unprinted:
+                self.out.write(self._decode_after(self.anchor, self.unprinted))
         else:
-            self.out.write(t)
+            self.out.write(self.text())
         self.out.write("\n")
         self.out.flush()
 
