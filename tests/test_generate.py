@@ -281,3 +281,21 @@ def test_text_stream_equals_one_shot_decode(kind):
         ts2.finish()
         assert out.getvalue() == one.getvalue()
         assert one.getvalue().rstrip("\n").strip() == tok.decode(gen_toks).strip()
+
+
+def test_selftest_skips_suites_whose_module_is_missing(monkeypatch):
+    from spel_mlx import selftest
+    from spel_mlx.config import resolve_config
+    cfg = resolve_config(overrides="d_model=32,n_layers=4,n_heads=2,head_dim=16,d_ff=64,draft_map=0:3",
+                         use_env=False)
+
+    def no_c_draft():
+        raise selftest.Skip("C draft unavailable (simulated)")
+    monkeypatch.setattr(selftest, "_cdraft_module", no_c_draft)
+    out = io.StringIO()
+    assert selftest.run(cfg, out=out, only={1, 3, 8}) == 0
+    lines = out.getvalue().splitlines()
+    assert "SKIP" in lines[0] and "simulated" in lines[0]
+    assert " ok " in lines[1] and "mlx draft" in lines[1]   # spec fidelity falls back to the MLX draft
+    assert "SKIP" in lines[2]
+    assert lines[-1].startswith("PASS (0 failures)")
