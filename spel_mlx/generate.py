@@ -205,8 +205,13 @@ def _load(args):
     if getattr(tok, "vocab_size", cfg.vocab) != cfg.vocab:
         raise UsageError(f"tokenizer: {tok.name} has {tok.vocab_size} symbols but the checkpoint's "
                          f"vocab is {cfg.vocab}")
+    from . import kernels
     from .model import SpelModel
     model = SpelModel.from_weights(cfg, ck.weights)
+    try:
+        model.set_ops(kernels.select())  # SPEL_KERNELS; auto = Metal kernels where available
+    except ValueError as e:
+        raise UsageError(f"SPEL_KERNELS: {e}") from None
     return ck, cfg, tok, model
 
 
