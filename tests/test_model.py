@@ -291,3 +291,75 @@ def test_row_blocked_matmuls(small, monkeypatch):
         singles.append(model.forward([t], b))
         b.commit(1)
     assert _bytes_differ(batched, mx.concatenate(singles)) == 0
+
+
+# ---- the chunked (closed-form) delta rule of fast M > 1 passes -------------------------------
+def _delta_inputs(M, H, hd, seed):
+    from spel_mlx.model import l2_normalize
+    r = np.random.default_rng(seed)
+    q = l2_normalize(mx.array(r.standard_normal((M, H, hd)).astype(np.float32)))
+    k = l2_normalize(mx.array(r.standard_normal((M, H, hd)).astype(np.float32)))
+    v = mx.array(r.standard_normal((M, H, hd)).astype(np.float32))
+    # decays from fast (a ~ 0.05) to slow (a ~ 0.99), betas up to ~0.98
+    a = mx.sigmoid(mx.array(np.linspace(-3.0, 5.0, H).astype(np.float32)))
+    b = mx.sigmoid(mx.array(np.linspace(4.0, -2.0, H).astype(np.float32)))
+    S0 = mx.array((0.5 * r.standard_normal((H, hd, hd))).astype(np.float32))
+    return q, k, v, a, b, S0
+
+
+@pytest.mark.parametrize("M", [2, 3, 4, 5, 8, 9, 16, 17])
+def test_chunked_delta_rule_matches_recurrence(M):
+    from spel_mlx.model import MLXOps
+    ops = MLXOps()
+    args = _delta_inputs(M, 4, 32, seed=M)
+    o_ref, S_ref = ops.delta_rule_loop(*args)
+    for fn in (ops.delta_rule, mx.compile(ops.delta_rule)):
+        o, S_all = fn(*args)
+        assert o.shape == o_ref.shape and S_all.shape == S_ref.shape == (M, 4, 32, 32)
+        assert float(mx.abs(o - o_ref).max()) < 2e-6
+        assert float(mx.abs(S_all - S_ref).max()) < 2e-6 * float(mx.abs(S_ref).max())
+    o2, states = ops.delta_rule_states(*args)
+    assert len(states) == M and float(mx.abs(o2 - o_ref).max()) < 2e-6
+    for j in range(M):
+        assert float(mx.abs(states[j] - S_ref[j]).max()) < 2e-6 * float(mx.abs(S_ref).max())
+
+
+def test_fast_k16_verify_commit_any_prefix(small):
+    """A 17-row fast pass (K=16) against strict rows, then commit n and continue:
+    the accepted token's GDN state (left lazy by the pass) is the right one."""
+    _, model = small
+    prompt, batch, nxt = tokens(13, seed=20), tokens(17, seed=21), tokens(3, seed=22)
+    for n in (1, 6, 17):
+        a, b = model.new_state(ring=17), model.new_state(ring=17)
+        model.prefill(prompt, a, strict=True)
+        model.prefill(prompt, b, strict=True)
+        fast = np.array(model.forward(batch, a))
+        strict = np.array(model.forward(batch, b, strict=True))
+        assert np.abs(fast - strict).max() < 1e-4
+        assert (fast.argmax(-1) == strict.argmax(-1)).all()
+        a.commit(n)
+        b.commit(n)
+        fa = np.array(model.forward(nxt, a))
+        fb = np.array(model.forward(nxt, b, strict=True))
+        assert np.abs(fa - fb).max() < 1e-4 and (fa.argmax(-1) == fb.argmax(-1)).all()
+
+
+def test_replaced_delta_rule_used_in_batched_pass(small):
+    """A subclass that overrides only delta_rule is what an M-row pass runs."""
+    _, model = small
+    from spel_mlx.model import MLXOps
+
+    class Counting(MLXOps):
+        Ms = []
+
+        def delta_rule(self, q, k, v, a, beta, S0):
+            Counting.Ms.append(q.shape[0])
+            return self.delta_rule_loop(q, k, v, a, beta, S0)
+    ref = np.array(model.forward(tokens(5), model.new_state()))
+    model.set_ops(Counting())
+    try:
+        got = np.array(model.forward(tokens(5), model.new_state()))
+    finally:
+        model.set_ops(None)
+    assert Counting.Ms == [5] * len(SMALL.gdn_layers)
+    assert np.abs(got - ref).max() < 1e-4
