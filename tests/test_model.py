@@ -363,3 +363,24 @@ def test_replaced_delta_rule_used_in_batched_pass(small):
         model.set_ops(None)
     assert Counting.Ms == [5] * len(SMALL.gdn_layers)
     assert np.abs(got - ref).max() < 1e-4
+
+
+@pytest.mark.parametrize("W,pos0,M", [(64, 0, 2), (64, 40, 5), (160, 143, 17)])
+def test_attend_head_major_matches_all_heads_form(W, pos0, M, monkeypatch):
+    """The head-major attend (M > 1, short windows) against the all-heads form."""
+    import spel_mlx.model as model_mod
+    from spel_mlx.model import MLXOps, l2_normalize
+    r = np.random.default_rng(W + M)
+    q = l2_normalize(mx.array(r.standard_normal((M, 3, 32)).astype(np.float32)))
+    kc = l2_normalize(mx.array(r.standard_normal((W, 3, 32)).astype(np.float32)))
+    vc = mx.array(r.standard_normal((W, 3, 32)).astype(np.float32))
+    pos = mx.array(pos0, dtype=mx.int32)
+    got = MLXOps().attend(q, kc, vc, pos, M)
+    monkeypatch.setattr(model_mod, "ATTEND_HEAD_MAJOR_MAX", 0)
+    want = MLXOps().attend(q, kc, vc, pos, M)
+    assert got.shape == want.shape == (M, 3, 32)
+    assert float(mx.abs(got - want).max()) < 1e-5
+    # rows past pos0 + j are masked: changing them changes nothing
+    kc2 = mx.concatenate([kc[:pos0 + M], 5.0 + kc[pos0 + M:]]) if pos0 + M < W else kc
+    monkeypatch.setattr(model_mod, "ATTEND_HEAD_MAJOR_MAX", 1024)
+    assert float(mx.abs(MLXOps().attend(q, kc2, vc, pos, M) - got).max()) == 0.0
