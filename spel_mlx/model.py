@@ -258,10 +258,36 @@ class Linear(nn.Module):
         M = x.shape[0] if x.ndim == 2 else 0
         rb = _row_block(W.shape[0], W.shape[1], M) if M else None
         if rb is None:
-            return (W @ x.T).T if M > 1 else x @ W.T
-        nb = W.shape[0] // rb
-        y = x @ W.reshape(nb, rb, W.shape[1]).transpose(0, 2, 1)        # [nb, M, rb]
+            return (W @ x.T).T if M > 1 else x @ self.weight_view(None)
+        y = x @ self.weight_view(rb)                                     # [nb, M, rb]
         return y.reshape(1, -1) if M == 1 else y.transpose(1, 0, 2).reshape(M, -1)
+
+    def weight_view(self, rb, warm: bool = False):
+        """W^T (rb None) or W as row blocks [nb, in, rb]: strided views of the
+        weight (no copy).  ``warm`` (outside any trace: the model warms every
+        pass's views before compiling it) evaluates and keeps the view, so a
+        compiled pass captures it as a constant instead of tracing the reshape
+        and transpose nodes into every call.  Dropped when ``update``
+        replaces W (the cache holds the array it was built from)."""
+        cache = self.__dict__.get("_views")
+        if cache is None or cache[0] is not self.weight:
+            cache = (self.weight, {})
+            object.__setattr__(self, "_views", cache)
+        view = cache[1].get(rb)
+        if view is None:
+            W = self.weight
+            view = W.T if rb is None else W.reshape(W.shape[0] // rb, rb, W.shape[1]).transpose(0, 2, 1)
+            if warm:
+                mx.eval(view)
+                cache[1][rb] = view
+        return view
+
+    def warm(self, M: int) -> None:
+        """Build the weight view an M-row call uses (see weight_view)."""
+        W = self.weight
+        rb = _row_block(W.shape[0], W.shape[1], M)
+        if rb is not None or M == 1:
+            self.weight_view(rb, warm=True)
 
 
 # Row blocking of the CPU matmuls (see Linear).  None turns it off.
@@ -617,9 +643,12 @@ class SpelModel(nn.Module):
         """
         ops = self._ops
         layers = self.stack_layers(stack)
-        for blk in layers:       # gate constants: computed now, captured by the trace
+        for blk in layers:       # constants computed now, captured by the trace
             if blk.kind == "gdn":
                 blk.mixer.gates(M)
+            for lin in (blk.mixer.wqkv, blk.mixer.wo, blk.mlp.w1, blk.mlp.w3, blk.mlp.w2):
+                lin.warm(M)
+        self.lm_head.warm(M)
 
         def one_pass(tokens, pos, gdn_in, kv_in):
             x = self.tok_emb(tokens)

@@ -384,3 +384,32 @@ def test_attend_head_major_matches_all_heads_form(W, pos0, M, monkeypatch):
     kc2 = mx.concatenate([kc[:pos0 + M], 5.0 + kc[pos0 + M:]]) if pos0 + M < W else kc
     monkeypatch.setattr(model_mod, "ATTEND_HEAD_MAJOR_MAX", 1024)
     assert float(mx.abs(MLXOps().attend(q, kc2, vc, pos, M) - got).max()) == 0.0
+
+
+def test_update_rebuilds_cached_constants(small):
+    """Gate constants and weight views are cached per parameter array: after
+    update the M=1 and M=5 passes use the new values (equal to a fresh model)."""
+    w, model = small
+    li = SMALL.gdn_layers[0]
+    pre = f"layers.{li}."
+    w2 = dict(w)
+    w2[pre + "mixer.decay_logit"] = w[pre + "mixer.decay_logit"] - 1.5
+    w2[pre + "mixer.beta_logit"] = w[pre + "mixer.beta_logit"] + 0.5
+    w2[pre + "mlp.w2.weight"] = w[pre + "mlp.w2.weight"] * 1.5
+    toks = tokens(6, seed=31)
+
+    def run(m):
+        st = m.new_state()
+        single = np.array(m.forward(toks[:1], st))
+        st.commit(1)
+        return single, np.array(m.forward(toks[1:], st))
+    run(model)                                    # caches built for the old weights
+    model.load_weights_dict(w2)
+    try:
+        got = run(model)
+    finally:
+        model.load_weights_dict(w)
+    want = run(SpelModel.from_weights(SMALL, w2))
+    for g, f in zip(got, want):
+        assert np.array_equal(g, f)
+    assert np.abs(run(model)[1] - got[1]).max() > 1e-3   # the change mattered
