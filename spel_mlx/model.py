@@ -306,7 +306,9 @@ def _row_block(rows: int, cols: int, M: int):
     # L2 (21m, 60 weights: M=9 13.3 ms with 128 KB vs 15.7 with 256 KB; M=17
     # 17.2 ms with 64 KB vs 25 with 256 KB; M <= 5 best at 256 KB)
     block = BLOCK_BYTES if M <= 5 else BLOCK_BYTES // 2 if M <= 9 else BLOCK_BYTES // 4
-    limit = max(1, block // (4 * cols))
+    # at least 16 rows even past the budget: wide weights (218m w2, 3072
+    # columns) ran 2x slower unblocked at M=9 and M=17, and fine with 16 rows
+    limit = max(16, block // (4 * cols))
     rb = max((r for r in range(1, min(limit, rows) + 1) if rows % r == 0), default=1)
     return rb if rb >= 16 else None
 

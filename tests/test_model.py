@@ -413,3 +413,16 @@ def test_update_rebuilds_cached_constants(small):
     for g, f in zip(got, want):
         assert np.array_equal(g, f)
     assert np.abs(run(model)[1] - got[1]).max() > 1e-3   # the change mattered
+
+
+def test_row_block_sizes_by_batch():
+    """Blocks shrink with the batch (256 KB up to 5 rows, 128 KB to 9, 64 KB past),
+    never below 16 rows (wide weights stay blocked); small weights stay plain."""
+    from spel_mlx.model import _row_block
+    assert _row_block(3072, 1024, 1) == 64                  # 12 MB, one row: 256 KB blocks
+    assert _row_block(1024, 384, 1) is None                 # 1.5 MB, one row: plain
+    assert _row_block(1024, 384, 5) == 128                  # 128 rows x 384 x 4 B = 192 KB <= 256 KB
+    assert _row_block(1024, 384, 9) == 64                   # <= 128 KB
+    assert _row_block(1024, 384, 17) == 32                  # <= 64 KB
+    assert _row_block(1024, 3072, 9) == 16 and _row_block(1024, 3072, 17) == 16   # 192 KB: 16-row floor
+    assert _row_block(64, 64, 5) is None                    # 16 KB: below one block
