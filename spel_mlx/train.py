@@ -306,6 +306,18 @@ def load_checkpoint_dir(run: str):
     return state, cfg, params, m, v
 
 
+def _lock_run(run: str):
+    """An exclusive lock on RUN/lock so two processes never train one run directory."""
+    import fcntl
+    f = open(os.path.join(run, "lock"), "a")
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        f.close()
+        raise TrainError(f"{run}: in use by another training process (RUN/lock is held)") from None
+    return f
+
+
 # --- the loop ---------------------------------------------------------------------
 def _fmt_time(s: float) -> str:
     s = max(0, int(s))
@@ -334,6 +346,7 @@ def train(run: str, cfg: ModelConfig | None, tc: TrainConfig, tokenizer=None,
     resume, lengthen the schedule to this many steps (the cosine is recomputed over
     the new total). Returns a summary."""
     os.makedirs(run, exist_ok=True)
+    lock = _lock_run(run)  # held until this function returns (the file object closes)
     resume = os.path.exists(os.path.join(run, "ckpt", "state.json")) or \
         os.path.exists(os.path.join(run, "ckpt.old", "state.json"))
     ctl = Controller()
@@ -480,6 +493,7 @@ def train(run: str, cfg: ModelConfig | None, tc: TrainConfig, tokenizer=None,
             save_checkpoint(run, step, adam_t, {**frozen, **train_p}, m, v, cfg, tc, ctl)
         if stop_after is not None and done_here >= stop_after:
             break
+    del lock
     summary = {"step": step, "steps": tc.steps, "skipped": ctl.skipped,
                "plateau_events": ctl.plateau_events, "convergence": ctl.convergence(tc.steps), **last}
     if step >= tc.steps:

@@ -301,3 +301,13 @@ def test_resume_can_extend_the_schedule(tmp_path, data_dir):
     assert len(_losses(run)) == 14
     with pytest.raises(T.TrainError, match="below the run's current step"):
         T.train(run, None, _tc(data_dir), tokenizer=ByteTokenizer(), quiet=True, extend_to=3)
+
+
+def test_a_live_run_directory_is_locked(tmp_path):
+    run = str(tmp_path / "locked")
+    os.makedirs(run)
+    held = T._lock_run(run)
+    with pytest.raises(T.TrainError, match="in use by another training process"):
+        T._lock_run(run)
+    held.close()
+    T._lock_run(run).close()
