@@ -323,6 +323,32 @@ class RMSNorm(nn.Module):
         return mx.fast.rms_norm(x, self.weight, self.eps)
 
 
+# 2^f on [0, 1): degree-6 fit of relative error (max 1.1e-7 in float32), Horner order
+_EXP2_FRACTION = (0.00021683440718334168, 0.0012437936384230852, 0.009679987095296383,
+                  0.05548214912414551, 0.24023030698299408, 0.6931468844413757, 1.0)
+_LOG2E = 1.4426950408889634
+_LN2_HI, _LN2_LO = 0.693145751953125, 1.428606765330187e-06   # hi: 16 significant bits
+
+
+def silu_mul(a, b):
+    """silu(a) * b = a b / (1 + e^-a), with e^-a = 2^n * poly(f) (-a log2 e
+    = n + f).  MLX's CPU exp calls libm's fmaf per element (~16 ns each):
+    the SwiGLU of a 5-row 21m pass took ~1 ms of exp.  Mul/add/shift only,
+    fused into one kernel: 0.31 vs 0.98 ms (M=5, 12 layers), 0.70 vs 3.4 ms
+    (M=17), about even for one row; within ~3e-7 relative of nn.silu.  The
+    same function for every M, so a row's result never depends on its batch."""
+    n = mx.floor(mx.clip(a * -_LOG2E, -126.0, 126.0))   # 2^n a normal float
+    # the remainder -a - n ln2 with ln2 split in two (Cody-Waite): rounding
+    # t = -a log2(e) itself would cost ~|t| ulps (1.5e-6 relative at a = -22)
+    r = (-a - n * _LN2_HI) - n * _LN2_LO
+    f = mx.clip(r * _LOG2E, 0.0, 1.0)
+    p = _EXP2_FRACTION[0]
+    for c in _EXP2_FRACTION[1:]:
+        p = p * f + c
+    two_n = mx.left_shift(n.astype(mx.int32) + 127, 23).view(mx.float32)
+    return (a * b) / (1.0 + p * two_n)
+
+
 class MLP(nn.Module):
     """SwiGLU: w2(silu(w1 x) * (w3 x))."""
 
@@ -333,7 +359,7 @@ class MLP(nn.Module):
         self.w2 = Linear(ff, d)
 
     def __call__(self, x):
-        return self.w2(nn.silu(self.w1(x)) * self.w3(x))
+        return self.w2(silu_mul(self.w1(x), self.w3(x)))
 
 
 class GatedDeltaNet(nn.Module):

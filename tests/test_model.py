@@ -426,3 +426,15 @@ def test_row_block_sizes_by_batch():
     assert _row_block(1024, 384, 17) == 32                  # <= 64 KB
     assert _row_block(1024, 3072, 9) == 16 and _row_block(1024, 3072, 17) == 16   # 192 KB: 16-row floor
     assert _row_block(64, 64, 5) is None                    # 16 KB: below one block
+
+
+def test_silu_mul_matches_float64():
+    """The exp-free SwiGLU gate against float64 silu(a) * b, from -100 to 100."""
+    from spel_mlx.model import silu_mul
+    a = np.concatenate([np.linspace(-100, 100, 20001), [0.0, -0.0, 1e-30, -1e-30, 88.0, -88.0]]).astype(np.float32)
+    b = np.random.default_rng(3).standard_normal(a.shape).astype(np.float32)
+    got = np.array(silu_mul(mx.array(a), mx.array(b))).astype(np.float64)
+    a64, b64 = a.astype(np.float64), b.astype(np.float64)
+    want = a64 * b64 / (1.0 + np.exp(-a64))
+    assert np.isfinite(got).all()
+    assert (np.abs(got - want) <= 1e-6 * np.abs(want) + 1e-30).all()
