@@ -179,12 +179,15 @@ class MLXOps:
             p = mx.softmax(s, axis=0)                                     # [W,H]
             r = p.T @ v_cache.reshape(W, H * hd)                          # [h, (h',d)]
             return r.reshape(H * H, hd)[::H + 1].reshape(1, H, hd)
-        eye = mx.eye(H)
-        s = (R.reshape(W, H, M, H) * eye.reshape(1, H, 1, H)).sum(-1)    # [W,H,M]
+        # the h == h' entries as strided views of the (contiguous) matmul
+        # outputs: R[(w,h),(j,h)] sits at w*H*M*H + h*(M*H+1) + j*H, and
+        # r[(j,h),(h,d)] at j*H*H*hd + h*(H*hd+hd) + d (~15% faster at 4k rows
+        # than multiplying by an identity and summing, same values)
+        s = mx.as_strided(R, (W, H, M), (H * M * H, M * H + 1, H))        # [W,H,M]
         visible = mx.arange(W)[:, None, None] <= (mx.arange(M) + pos0)[None, None, :]
         p = mx.softmax(mx.where(visible, s * math.sqrt(hd), -mx.inf), axis=0)
         r = p.transpose(2, 1, 0).reshape(M * H, W) @ v_cache.reshape(W, H * hd)
-        return (r.reshape(M, H, H, hd) * eye.reshape(1, H, H, 1)).sum(2)
+        return mx.as_strided(r, (M, H, hd), (H * H * hd, H * hd + hd, 1))
 
     def _attend_head_major(self, q, k_cache, v_cache, pos0, M):
         """attend for several queries over a short window: per-head matmuls

@@ -380,6 +380,13 @@ def test_attend_head_major_matches_all_heads_form(W, pos0, M, monkeypatch):
     want = MLXOps().attend(q, kc, vc, pos, M)
     assert got.shape == want.shape == (M, 3, 32)
     assert float(mx.abs(got - want).max()) < 1e-5
+    qn, kn, vn = (np.array(t, dtype=np.float64) for t in (q, kc, vc))   # float64 reference
+    for j in range(M):
+        for h in range(3):
+            sc = kn[:pos0 + j + 1, h] @ qn[j, h] * np.sqrt(32)
+            p = np.exp(sc - sc.max())
+            ref = (p / p.sum()) @ vn[:pos0 + j + 1, h]
+            assert np.abs(np.array(want)[j, h] - ref).max() < 1e-5
     # rows past pos0 + j are masked: changing them changes nothing
     kc2 = mx.concatenate([kc[:pos0 + M], 5.0 + kc[pos0 + M:]]) if pos0 + M < W else kc
     monkeypatch.setattr(model_mod, "ATTEND_HEAD_MAJOR_MAX", 1024)
