@@ -185,7 +185,7 @@ class MLXOps:
         # than multiplying by an identity and summing, same values)
         s = mx.as_strided(R, (W, H, M), (H * M * H, M * H + 1, H))        # [W,H,M]
         visible = mx.arange(W)[:, None, None] <= (mx.arange(M) + pos0)[None, None, :]
-        p = mx.softmax(mx.where(visible, s * math.sqrt(hd), -mx.inf), axis=0)
+        p = _softmax_visible(s * math.sqrt(hd), visible, 0, W * M)
         r = p.transpose(2, 1, 0).reshape(M * H, W) @ v_cache.reshape(W, H * hd)
         return mx.as_strided(r, (M, H, hd), (H * H * hd, H * hd + hd, 1))
 
@@ -197,7 +197,7 @@ class MLXOps:
         W, H, hd = k_cache.shape
         s = q.transpose(1, 0, 2) @ k_cache.transpose(1, 2, 0)              # [H,M,W]
         visible = mx.arange(W)[None, :] <= (mx.arange(M) + pos0)[:, None]  # [M,W]
-        p = mx.softmax(mx.where(visible, s * math.sqrt(hd), -mx.inf), axis=-1)
+        p = _softmax_visible(s * math.sqrt(hd), visible, -1, W * M)
         return (p @ v_cache.transpose(1, 0, 2)).transpose(1, 0, 2)         # [M,H,hd]
 
 
@@ -350,6 +350,35 @@ def silu_mul(a, b):
         p = p * f + c
     two_n = mx.left_shift(n.astype(mx.int32) + 127, 23).view(mx.float32)
     return (a * b) / (1.0 + p * two_n)
+
+
+def masked_softmax(scores, visible, axis: int):
+    """softmax of ``scores`` over ``axis`` where ``visible``, exact 0 elsewhere,
+    with the exp-free 2^t of silu_mul (t = (s - max) log2 e <= 0): the many-row
+    attention passes spent ~16 ns per score in MLX's CPU exp (0.44 of 2.2 ms
+    per layer at 2k rows, M=5).  Within ~1e-7 of mx.softmax; at least one
+    position per query is visible (its own)."""
+    s = mx.where(visible, scores, -mx.inf)
+    t = mx.clip((s - s.max(axis=axis, keepdims=True)) * _LOG2E, -126.0, 0.0)
+    n = mx.floor(t)
+    f = t - n
+    p = _EXP2_FRACTION[0]
+    for c in _EXP2_FRACTION[1:]:
+        p = p * f + c
+    e = mx.where(visible, p * mx.left_shift(n.astype(mx.int32) + 127, 23).view(mx.float32), 0.0)
+    return e / e.sum(axis=axis, keepdims=True)
+
+
+# (window rows x queries) from which masked_softmax beats mx.softmax: below it the
+# extra nodes cost more than the exps saved (21m, M=5: even at 128 rows, -0.2 ms
+# at 512, -1.9 ms at 2048; M=17: -1.2 ms at 512)
+POLY_SOFTMAX_MIN = 2048
+
+
+def _softmax_visible(scores, visible, axis: int, n: int):
+    if n >= POLY_SOFTMAX_MIN:
+        return masked_softmax(scores, visible, axis)
+    return mx.softmax(mx.where(visible, scores, -mx.inf), axis=axis)
 
 
 class MLP(nn.Module):

@@ -365,7 +365,7 @@ def test_replaced_delta_rule_used_in_batched_pass(small):
     assert np.abs(got - ref).max() < 1e-4
 
 
-@pytest.mark.parametrize("W,pos0,M", [(64, 0, 2), (64, 40, 5), (160, 143, 17)])
+@pytest.mark.parametrize("W,pos0,M", [(64, 0, 2), (64, 40, 5), (160, 143, 17), (1152, 1100, 3)])
 def test_attend_head_major_matches_all_heads_form(W, pos0, M, monkeypatch):
     """The head-major attend (M > 1, short windows) against the all-heads form."""
     import spel_mlx.model as model_mod
@@ -445,3 +445,18 @@ def test_silu_mul_matches_float64():
     want = a64 * b64 / (1.0 + np.exp(-a64))
     assert np.isfinite(got).all()
     assert (np.abs(got - want) <= 1e-6 * np.abs(want) + 1e-30).all()
+
+
+def test_masked_softmax_exact_zeros_and_float64():
+    from spel_mlx.model import masked_softmax
+    r = np.random.default_rng(5)
+    s = (8.0 * r.standard_normal((7, 300))).astype(np.float32)
+    vis = np.arange(300)[None, :] <= (np.arange(7) * 40 + 3)[:, None]
+    got = np.array(masked_softmax(mx.array(s), mx.array(vis), axis=-1))
+    assert (got[~vis] == 0).all()                       # masked positions: exact zeros
+    s64 = np.where(vis, s.astype(np.float64), -np.inf)
+    e = np.exp(s64 - s64.max(-1, keepdims=True))
+    want = e / e.sum(-1, keepdims=True)
+    assert np.abs(got - want).max() < 1e-6 and np.abs(got.sum(-1) - 1).max() < 1e-6
+    got0 = np.array(masked_softmax(mx.array(s.T), mx.array(vis.T), axis=0))
+    assert np.array_equal(got0, got.T)
