@@ -72,8 +72,8 @@ class NoteBankConfig:
     query_positions: int = 4    # Q: query vectors come from the last Q positions
     top_r: int = 2              # R: notes returned by addressing
     ranker: str = "summed"      # "summed" (default) or "votes" (diagnostic)
-    query_source: str = "q"     # which captured vector addresses notes: native q or k
-    channel_top: float = 0.1    # a position's score: mean distinctiveness of its most
+    query_source: str = "k"     # which captured vector addresses notes: the query's k or q
+    channel_top: float = 1.0    # a position's score: mean distinctiveness of its most
                                 # distinctive channels (this fraction of C; 1.0 = all)
 
     def validate(self) -> "NoteBankConfig":
@@ -160,7 +160,7 @@ def key_distinctiveness(k: np.ndarray) -> np.ndarray:
     return (1.0 - np.einsum("nch,ch->nc", k_hat, mu_hat)).astype(np.float32)
 
 
-def position_scores(dist: np.ndarray, channel_top: float = 0.1) -> np.ndarray:
+def position_scores(dist: np.ndarray, channel_top: float = 1.0) -> np.ndarray:
     """Per-position score: the mean distinctiveness of the position's top
     ``ceil(channel_top * C)`` channels. dist ``[n, C]`` -> ``[n]``.
 
@@ -888,8 +888,8 @@ def main(argv=None) -> int:
     d.add_argument("--notes-per-chunk", type=int, default=2)
     d.add_argument("--query-positions", type=int, default=4)
     d.add_argument("--top-r", type=int, default=2)
-    d.add_argument("--query-source", choices=QUERY_SOURCES, default="q")
-    d.add_argument("--channel-top", type=float, default=0.1,
+    d.add_argument("--query-source", choices=QUERY_SOURCES, default="k")
+    d.add_argument("--channel-top", type=float, default=1.0,
                    help="fraction of channels whose distinctiveness scores a position (1 = mean)")
     d.add_argument("--spec-tokens", type=int, default=16, help="speculative run length (0: skip)")
     d.add_argument("--json", help="also write the measurements to this JSON file (atomically)")
