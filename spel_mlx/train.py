@@ -476,7 +476,7 @@ def train(run: str, cfg: ModelConfig | None, tc: TrainConfig, tokenizer=None,
                   if conv else "")
             log.event({"event": "step", **last, "loss_ema": ctl.loss_ema, "skipped": ctl.skipped, **conv},
                       f"[{tc.mode}] step {step}/{tc.steps} loss {lossf:.4f} (ema {ctl.loss_ema:.4f}) "
-                      f"lr {lr:.2e} gnorm {gn:.2f} {tps:.0f} tok/s ETA {_fmt_time(eta)}{cs}")
+                      f"lr {lr:.2e} gnorm {gn:.2f} {tps:.0f} tok/s ETA {_fmt_time(eta) if tps else '?'}{cs}")
         if step % tc.eval_every == 0 or step == tc.steps:
             r = evaluate()
             msg = ctl.observe_eval(tc, step, r["heldout_nats"])
