@@ -418,3 +418,18 @@ def test_needle_document_with_subword_tokenizer():
         joint = tok.encode(f"?KEY_{i + 1}={n.value}")
         assert joint[:len(n.query)] == n.query and joint[len(n.query)] == n.value_token
         assert tok.decode(n.query + [n.value_token]).startswith(f"?KEY_{i + 1}=")
+
+
+@needs_model
+def test_demo_on_shipped_checkpoint_when_installed(tmp_path, capsys):
+    from spel_mlx.checkpoint import DEFAULT_DIR, DEFAULT_MODEL_FILE
+    if not (DEFAULT_DIR / DEFAULT_MODEL_FILE).is_file():
+        pytest.skip("no shipped checkpoint installed")
+    out = tmp_path / "shipped.json"
+    rc = nb.main(["demo", "--checkpoint", str(DEFAULT_DIR), "--spec-tokens", "8", "--json", str(out)])
+    capsys.readouterr()
+    import json
+    res = json.loads(out.read_text())
+    assert rc == 0 and res["notes"] == 6 and res["chunks"] == 3
+    if "skipped" not in res["spec"]:
+        assert res["spec"]["matches_ar"] and res["spec"]["tokens"] == 8
