@@ -6,9 +6,9 @@ Pieces, in the order a reader meets them:
               key distinctiveness ``1 - <k_hat_t, mu_hat>`` (mu_hat = normalized chunk-mean
               key); greedy non-overlapping span selection; per channel 16 BF16 coordinates
               from a fixed, seeded sparse projection of the span key.
-* addressing- query vectors from the last Q positions (native q by default), per-channel
-              cosine similarity in the projected space, summed ranking (default) or the
-              per-channel integer vote ranker (opt-in), top-R.
+* addressing- query vectors from the last Q positions (the query's captured k by default,
+              native q opt-in), per-channel cosine similarity in the projected space,
+              summed ranking (default) or the per-channel integer vote ranker (opt-in), top-R.
 * branching - ``state.snapshot()`` / ``state.restore()`` around a retrieval branch.
 * replay    - token re-prefill of the selected spans before the query (default), or the
               opt-in native replay that adds each span's own recurrent state into the
@@ -260,7 +260,7 @@ class NoteWriter:
 
 # --------------------------------------------------------------------------- addressing
 def query_vectors(qs: np.ndarray, q_positions: int) -> np.ndarray:
-    """Normalized mean of the last ``q_positions`` query vectors per channel.
+    """Normalized mean of the last ``q_positions`` query vectors (captured k or q) per channel.
     qs ``[M, C, hd]`` -> ``[C, hd]`` (zeros when M == 0)."""
     qs = np.asarray(qs, np.float32)
     if qs.ndim != 3:
