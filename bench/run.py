@@ -42,16 +42,15 @@ LEVELS = {
                              "218m": {"prompt_len": 12, "warm": 2, "gen": 6, "threads": "auto",
                                       "drafts": ["c"], "b2_repeats": 2, "peers_gen": 0,
                                       "runs": 1, "b2_K": [1, 4, 16]}}},
+    # full: the original's decode protocol (64-token prompt, 8 warm tokens, 64 generated)
     "full": {"regimes": ["shipped", "21m", "218m"], "runs": 3, "K": 4, "K_ceiling": 16, "timeout": 600,
              "sections": ["b1", "b2", "b3", "placement", "peers"], "b2_K": [1, 2, 4, 8, 16],
              "per_regime": {"shipped": {"prompt_len": 64, "warm": 8, "gen": 64, "threads": "auto",
-                                        "drafts": ["c", "mlx"], "b2_repeats": 5, "peers_gen": 48},
-                            "21m": {"prompt_len": 64, "warm": 8, "gen": 48, "threads": "auto",
-                                    "drafts": ["c", "mlx"], "b2_repeats": 3, "peers_gen": 32,
-                                    "runs": 2},
-                            "218m": {"prompt_len": 16, "warm": 2, "gen": 12, "threads": "auto",
-                                     "drafts": ["c"], "b2_repeats": 2, "peers_gen": 8,
-                                     "runs": 2}}},
+                                        "drafts": ["c", "mlx"], "b2_repeats": 5, "peers_gen": 64},
+                            "21m": {"prompt_len": 64, "warm": 8, "gen": 64, "threads": "auto",
+                                    "drafts": ["c", "mlx"], "b2_repeats": 5, "peers_gen": 64},
+                            "218m": {"prompt_len": 64, "warm": 8, "gen": 64, "threads": "auto",
+                                     "drafts": ["c"], "b2_repeats": 3, "peers_gen": 16}}},
 }
 DEFAULT_PROTOCOL = {"prompt_len": 32, "warm": 4, "gen": 16, "threads": "auto", "drafts": ["c", "mlx"],
                     "b2_repeats": 3, "peers_gen": 16}
