@@ -156,7 +156,10 @@ class Controller:
         return msg
 
     def observe_eval(self, tc: TrainConfig, step: int, loss: float) -> str:
-        if loss < self.best_eval - tc.plateau_min_delta:
+        """loss: held-out CE (target) or KL(target||draft) (draft). A gain must exceed
+        plateau_min_delta nats (target) or that fraction of the best KL (draft: KL is ~0.1)."""
+        delta = tc.plateau_min_delta if tc.mode == "target" else tc.plateau_min_delta * self.best_eval
+        if loss < self.best_eval - (delta if math.isfinite(delta) else 0.0):
             self.best_eval, self.bad_evals = loss, 0
             return ""
         self.best_eval = min(self.best_eval, loss)
@@ -479,7 +482,7 @@ def train(run: str, cfg: ModelConfig | None, tc: TrainConfig, tokenizer=None,
                       f"lr {lr:.2e} gnorm {gn:.2f} {tps:.0f} tok/s ETA {_fmt_time(eta) if tps else '?'}{cs}")
         if step % tc.eval_every == 0 or step == tc.steps:
             r = evaluate()
-            msg = ctl.observe_eval(tc, step, r["heldout_nats"])
+            msg = ctl.observe_eval(tc, step, r["heldout_nats"] if tc.mode == "target" else r["heldout_kl"])
             extra = (f" KL {r['heldout_kl']:.4f} top-1 agree {r['heldout_top1_agree']:.3f}"
                      if tc.mode == "draft" else "")
             log.event({"event": "eval", "step": step, **r},

@@ -225,6 +225,11 @@ def test_controller_schedule_plateau_and_spikes():
     assert c.observe_eval(tc, 20, 2.995) == ""          # not a real gain, 1 bad eval
     assert "plateau" in c.observe_eval(tc, 30, 3.1)     # 2nd bad eval -> LR halved
     assert c.lr_scale == 0.5 and c.lr(tc, 10) == pytest.approx(5e-4)
+    d = T.Controller()                                  # draft: relative gain on the KL
+    tcd = T.TrainConfig(mode="draft", plateau_patience=1, plateau_min_delta=0.01)
+    assert d.observe_eval(tcd, 1, 0.20) == ""
+    assert d.observe_eval(tcd, 2, 0.197) == ""          # 1.5% better: a real gain
+    assert "plateau" in d.observe_eval(tcd, 3, 0.1965)  # 0.25% better: not
     assert c.spike_threshold(tc) == math.inf            # no statistics yet
     for i in range(25):
         c.observe_step(tc, i, 3.0, 0.5, True)
