@@ -77,6 +77,10 @@ def build_parser() -> argparse.ArgumentParser:
                     help="governed mode: rounds in the rolling acceptance window (default 8)")
     ap.add_argument("--alpha-threshold", type=float, default=0.3,
                     help="governed mode: suspend drafting below this rolling acceptance (default 0.3)")
+    ap.add_argument("--placement", choices=("cpu", "auto"), default="cpu",
+                    help="auto: calibrate c and v for each target/draft placement (MLX on CPU or "
+                         "GPU x C draft on CPU or MLX draft) and use the one the cost model ranks "
+                         "first; reported in --stats (default cpu: target MLX on the CPU, C draft)")
     ap.add_argument("--stats", action="store_true", help="one JSON line of statistics on stderr")
     ap.add_argument("--no-stream", action="store_true", help="print the text only at the end")
     return ap
@@ -262,7 +266,23 @@ def run(argv=None, stdout=None, stderr=None) -> int:
             if draft_kind not in (None, "target"):
                 raise UsageError(f"--mode oracle drafts with the full target; --draft {draft_kind} conflicts")
             draft_kind = "target"
-        if mode != "ar":
+        placement = None
+        if args.placement == "auto" and mode != "ar":
+            if args.draft is not None:
+                raise UsageError("--placement auto chooses the draft itself; drop --draft")
+            from . import placement as plc
+            try:
+                ranked = plc.calibrate_placement(model, ck.weights, k=K, prompt=prompt[-8:],
+                                                 include_unavailable=False)
+                if not ranked:
+                    raise UsageError("--placement auto: no placement could be calibrated")
+                placement = ranked[0]
+                draft = plc.apply_placement(placement, model, ck.weights, k=K)
+            except plc.PlacementError as e:
+                raise UsageError(f"--placement auto: {e}") from None
+            if args.stats:
+                print(plc.format_ranking(ranked), file=stderr)
+        elif mode != "ar":
             if draft_kind is None:
                 draft_kind = "c" if _c_draft_available() else "mlx"
             try:
@@ -313,6 +333,8 @@ def run(argv=None, stdout=None, stderr=None) -> int:
                   "draft_threads": _draft_threads(draft)})
         if forced_alpha is not None:
             d["forced_alpha"] = forced_alpha
+        if placement is not None:
+            d["placement"] = placement.to_dict()
         print(json.dumps(d), file=stderr, flush=True)
     dec.close()
     return code

@@ -424,9 +424,12 @@ class DecodeStats:
 
     @property
     def c(self):
-        if not self.ar_token_s or not self.draft_forwards:
+        # draft_s times the proposal calls only: k proposals + 1 state-covering forward per
+        # round (draft_forwards also counts untimed catch-up forwards, so it is not used here)
+        timed_forwards = self.proposed + self.spec_rounds
+        if not self.ar_token_s or not timed_forwards:
             return None
-        return (self.draft_s / self.draft_forwards) / self.ar_token_s
+        return (self.draft_s / timed_forwards) / self.ar_token_s
 
     @property
     def v(self):

@@ -299,3 +299,20 @@ def test_selftest_skips_suites_whose_module_is_missing(monkeypatch):
     assert " ok " in lines[1] and "mlx draft" in lines[1]   # spec fidelity falls back to the MLX draft
     assert "SKIP" in lines[2]
     assert lines[-1].startswith("PASS (0 failures)")
+
+
+def test_placement_auto_picks_ranked_first_and_keeps_greedy_output(ckpt):
+    base = ["--checkpoint", ckpt, "--prompt", "the cat sat on the mat. the cat", "--max-tokens", 20,
+            "--temperature", 0, "--stats"]
+    code, ref, err = run(*base, "--mode", "ar")
+    assert code == 0, err
+    code, out, err = run(*base, "--placement", "auto")
+    assert code == 0, err
+    assert out == ref  # the placement changes speed, never the greedy tokens
+    st = stats_of(err)
+    p = st["placement"]
+    assert p["available"] and p["target_device"] in ("cpu", "gpu")
+    assert p["round_cost"] == pytest.approx((p["k"] + 1) * p["c"] + p["v"])
+    assert "rank  placement" in err
+    code, _, err = run(*base, "--placement", "auto", "--draft", "mlx")
+    assert code == 2 and "drop --draft" in err
