@@ -77,6 +77,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="governed mode: rounds in the rolling acceptance window (default 8)")
     ap.add_argument("--alpha-threshold", type=float, default=0.3,
                     help="governed mode: suspend drafting below this rolling acceptance (default 0.3)")
+    ap.add_argument("--governor-grace", type=int, default=0, metavar="ROUNDS",
+                    help="governed mode: a zero-accept round trips only after this many rounds "
+                         "(default 0, the original's rule: the first zero-accept round trips)")
     ap.add_argument("--placement", choices=("cpu", "auto"), default="cpu",
                     help="auto: calibrate c and v for each target/draft placement (MLX on CPU or "
                          "GPU x C draft on CPU or MLX draft) and use the one the cost model ranks "
@@ -233,6 +236,8 @@ def run(argv=None, stdout=None, stderr=None) -> int:
             raise UsageError(f"--max-tokens {args.max_tokens}: must be >= 0")
         if args.governor_resume < 0:
             raise UsageError(f"--governor-resume {args.governor_resume}: must be >= 0")
+        if args.governor_grace < 0:
+            raise UsageError(f"--governor-grace {args.governor_grace}: must be >= 0")
         if args.governor_window < 1:
             raise UsageError(f"--governor-window {args.governor_window}: must be >= 1")
         if not (0.0 <= args.alpha_threshold <= 1.0):
@@ -295,7 +300,8 @@ def run(argv=None, stdout=None, stderr=None) -> int:
             except ValueError as e:
                 raise UsageError(f"--draft {draft_kind}: {e}") from None
         gov = sp.GovernorConfig(window=args.governor_window, alpha_threshold=args.alpha_threshold,
-                                resume_after=args.governor_resume)
+                                resume_after=args.governor_resume,
+                                zero_accept_grace=args.governor_grace)
         dec = sp.SpeculativeDecoder(model, draft, mode, k=K, strict=args.strict, params=params,
                                     governor=gov, forced_alpha=forced_alpha)
     except NoCheckpoint as e:

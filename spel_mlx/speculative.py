@@ -340,6 +340,7 @@ class GovernorConfig:
     alpha_threshold: float = 0.3  # trip when the window's ratio falls below this
     min_rounds: int = 4          # rounds before the ratio test applies
     zero_accept_trip: bool = True  # trip on a round that accepts nothing
+    zero_accept_grace: int = 0   # opt-in: the zero-accept trip waits for this many rounds
     resume_after: int = 0        # opt-in: re-probe drafting after this many AR tokens (0 = never)
 
 
@@ -362,7 +363,8 @@ class Governor:
         if proposed <= 0:
             return
         self.window.append((accepted, proposed))
-        trip = self.cfg.zero_accept_trip and accepted == 0
+        trip = (self.cfg.zero_accept_trip and accepted == 0
+                and len(self.window) > self.cfg.zero_accept_grace)
         if not trip and len(self.window) >= min(self.cfg.min_rounds, self.window.maxlen):
             a = sum(x for x, _ in self.window)
             p = sum(y for _, y in self.window)

@@ -213,6 +213,12 @@ def test_governor_unit():
     g2 = sp.Governor(sp.GovernorConfig())
     g2.record(0, 4)
     assert not g2.drafting       # zero-accept trip
+    g3 = sp.Governor(sp.GovernorConfig(zero_accept_grace=2, min_rounds=8))
+    g3.record(0, 4)
+    g3.record(0, 4)
+    assert g3.drafting           # within the grace rounds a zero-accept round does not trip
+    g3.record(0, 4)
+    assert not g3.drafting and g3.trips == 1
 
 
 @pytest.mark.parametrize("alpha,K,expect", [(0.75, 4, (30, 40)), (1.0, 4, (40, 40)),
