@@ -337,6 +337,18 @@ def run(cfg, seed: int = 0, out=None, only=None) -> int:
     return failures
 
 
+def _parse_only(text: str) -> set:
+    """Suite numbers from --only; an unknown number would silently run nothing and PASS."""
+    n = len(SUITES)
+    only = set()
+    for item in text.split(","):
+        item = item.strip()
+        if not (item.isdigit() and 1 <= int(item) <= n):
+            raise ValueError(f"--only {text!r}: expected comma-separated suite numbers in 1..{n}")
+        only.add(int(item))
+    return only
+
+
 def main(argv=None) -> int:
     from .config import ConfigError, resolve_config
     ap = argparse.ArgumentParser(prog="python -m spel_mlx.selftest",
@@ -348,7 +360,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     try:
         cfg = resolve_config(args.preset, args.config)
-        only = {int(x) for x in args.only.split(",")} if args.only else None
+        only = _parse_only(args.only) if args.only is not None else None
     except (ConfigError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -316,3 +316,12 @@ def test_placement_auto_picks_ranked_first_and_keeps_greedy_output(ckpt):
     assert "rank  placement" in err
     code, _, err = run(*base, "--placement", "auto", "--draft", "mlx")
     assert code == 2 and "drop --draft" in err
+
+
+def test_selftest_only_rejects_unknown_suite_numbers(capsys):
+    # `--only 99` used to run nothing and print PASS: a typo must not pass.
+    from spel_mlx import selftest
+    for bad in ("99", "0", "x", "3,", ","):
+        assert selftest.main(["--config", "d_model=64", "--only", bad]) == 2, bad
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and "--only" in err[0] and "1..8" in err[0], (bad, err)
