@@ -42,6 +42,9 @@ class SamplingParams:
             raise SamplingError(f"repetition_penalty={self.repetition_penalty!r}: must be > 0")
         if not isinstance(self.repetition_window, int) or self.repetition_window < 0:
             raise SamplingError(f"repetition_window={self.repetition_window!r}: must be >= 0")
+        # checked here: a negative seed only fails later, deep inside numpy's SeedSequence
+        if self.seed is not None and (not isinstance(self.seed, (int, np.integer)) or self.seed < 0):
+            raise SamplingError(f"seed={self.seed!r}: must be an integer >= 0")
         return self
 
     @property

@@ -124,6 +124,7 @@ def test_runs_into_max_seq(ckpt):
     (["--mode", "oracle", "--draft", "ngram"], "conflicts"),
     (["--alpha-threshold", "1.5"], "--alpha-threshold"),
     (["--governor-window", "0"], "--governor-window"),
+    (["--seed", "-1"], "seed=-1"),
 ])
 def test_bad_input_one_line_exit_2(ckpt, argv, needle):
     code, out, err = run("--checkpoint", ckpt, *argv)

@@ -74,7 +74,8 @@ def test_repetition_penalty_ctrl_rule_and_window():
 
 
 @pytest.mark.parametrize("bad", [dict(temperature=-1), dict(top_p=0.0), dict(top_p=1.5),
-                                 dict(top_k=-1), dict(repetition_penalty=0.0)])
+                                 dict(top_k=-1), dict(repetition_penalty=0.0),
+                                 dict(seed=-1), dict(seed=1.5)])
 def test_invalid_params_rejected(bad):
     with pytest.raises(smp.SamplingError):
         smp.SamplingParams(**bad).validate()
