@@ -324,12 +324,22 @@ def run(argv=None, stdout=None, stderr=None) -> int:
     except sp.DecodeError as e:
         print(f"error: {e}", file=stderr)
         return 2
+    except BrokenPipeError:
+        raise  # main() stops quietly (piped into `head`)
+    except OSError as e:  # stdout unwritable (full disk, ...): one line, not a traceback
+        print(f"error: cannot write the output: {e.strerror or e}", file=stderr)
+        dec.close()
+        return 1
     finally:
         wall = time.perf_counter() - t0
     try:
         stream.finish()
     except BrokenPipeError:
         pass
+    except OSError as e:
+        print(f"error: cannot write the output: {e.strerror or e}", file=stderr)
+        dec.close()
+        return 1
     if args.stats:
         d = dec.stats.to_dict()
         d.update({"wall_s": round(wall, 6), "checkpoint": ck.source, "tokenizer": tok.name,

@@ -326,3 +326,20 @@ def test_selftest_only_rejects_unknown_suite_numbers(capsys):
         assert selftest.main(["--config", "d_model=64", "--only", bad]) == 2, bad
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and "--only" in err[0] and "1..8" in err[0], (bad, err)
+
+
+class _FullDisk(io.StringIO):
+    def write(self, s):
+        import errno
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+
+@pytest.mark.parametrize("stream", [[], ["--no-stream"]])
+def test_unwritable_stdout_is_one_line_error(ckpt, stream):
+    # stdout on a full disk (e.g. `> /dev/full`) used to end in a traceback
+    err = io.StringIO()
+    code = gen.run(["--checkpoint", str(ckpt), "--prompt", "hi", "--max-tokens", "5", *stream],
+                   stdout=_FullDisk(), stderr=err)
+    assert code == 1
+    lines = err.getvalue().strip().splitlines()
+    assert len(lines) == 1 and "No space left on device" in lines[0], err.getvalue()
