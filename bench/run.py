@@ -485,6 +485,8 @@ def read_results(path: str) -> dict:
             results = json.load(f)
     except json.JSONDecodeError as e:
         raise ValueError(f"{path}: not a results JSON (line {e.lineno}: {e.msg})") from None
+    except UnicodeDecodeError:  # a binary file (e.g. a checkpoint) given by mistake
+        raise ValueError(f"{path}: not a results JSON (not UTF-8 text)") from None
     if not isinstance(results, dict) or results.get("schema") != common.SCHEMA:
         raise ValueError(f"{path}: not a {common.SCHEMA} results file")
     return results

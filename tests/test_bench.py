@@ -194,6 +194,10 @@ def test_cli_unwritable_output_and_bad_json_fail_before_measuring(tmp_path, caps
     bad.write_text("{")
     assert run.main(["--from-json", str(bad)]) == 2
     assert "not a results JSON (line" in capsys.readouterr().err
+    binary = tmp_path / "model.spelw"  # e.g. a checkpoint passed by mistake
+    binary.write_bytes(b"SPELW001" + bytes(range(128, 256)))
+    assert run.main(["--from-json", str(binary)]) == 2
+    assert f"{binary}: not a results JSON" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("args,msg", [(["--threads", "9"], "each must be in 1..6"),
