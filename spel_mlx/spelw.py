@@ -438,7 +438,10 @@ class AtomicFile:
 
     def abort(self):
         if not self.f.closed:
-            self.f.close()
+            try:
+                self.f.close()
+            except OSError:  # the buffered tail cannot be written either (disk full): still remove
+                pass
         if not self.done and os.path.exists(self.tmp_path):
             os.unlink(self.tmp_path)
         self.done = True

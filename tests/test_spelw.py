@@ -140,6 +140,30 @@ def test_writer_failure_leaves_nothing(tmp_path):
     assert out.read_bytes() == before and os.listdir(tmp_path) == ["out.spelw"]
 
 
+def test_disk_full_write_leaves_no_temp_file(tmp_path, tiny_file):
+    # A write error with data still buffered (disk full, file-size limit) used to make
+    # abort()'s close() raise again before it could unlink the temp file.
+    import resource
+    import signal
+    p, t, g = tiny_file
+    size = p.stat().st_size
+    out_dir = tmp_path / "full"
+    out_dir.mkdir()
+    old_limit = resource.getrlimit(resource.RLIMIT_FSIZE)
+    old_handler = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # EFBIG instead of a kill
+    try:
+        for limit in (HEADER_SIZE + 10, size // 2, size - 1000, size - 1):
+            resource.setrlimit(resource.RLIMIT_FSIZE, (limit, old_limit[1]))
+            try:
+                with pytest.raises(OSError):
+                    write_spelw(out_dir / "x.spelw", TINY, t, g)
+            finally:
+                resource.setrlimit(resource.RLIMIT_FSIZE, old_limit)
+            assert os.listdir(out_dir) == [], limit
+    finally:
+        signal.signal(signal.SIGXFSZ, old_handler)
+
+
 def test_writer_rejects_missing_and_extra(tmp_path):
     t = tiny_tensors()
     t2 = dict(t)
