@@ -450,12 +450,16 @@ def level_params(args) -> tuple:
         params.setdefault("override", {})["runs"] = args.runs
     if args.regimes:
         regs = [r.strip() for r in args.regimes.split(",") if r.strip()]
+        if not regs:
+            raise ValueError(f"--regimes: no regime given in {args.regimes!r}")
         for r in regs:
             regime_config(r)
         params["regimes"] = regs
     params["regimes"], params["regime_notes"] = resolve_regimes(params["regimes"])
     if args.sections:
         secs = [s.strip() for s in args.sections.split(",") if s.strip()]
+        if not secs:
+            raise ValueError(f"--sections: no section given in {args.sections!r}")
         bad = [s for s in secs if s not in SECTIONS]
         if bad:
             raise ValueError(f"--sections: unknown {bad[0]!r} (known: {', '.join(SECTIONS)})")

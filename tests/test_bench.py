@@ -203,7 +203,10 @@ def test_cli_unwritable_output_and_bad_json_fail_before_measuring(tmp_path, caps
 @pytest.mark.parametrize("args,msg", [(["--threads", "9"], "each must be in 1..6"),
                                       (["--K", "0"], "must be in 1..16"),
                                       (["--regimes", "99m"], "unknown regime"),
-                                      (["--sections", "b7"], "unknown 'b7'")])
+                                      (["--sections", "b7"], "unknown 'b7'"),
+                                      # an empty list used to measure nothing and exit 0
+                                      (["--regimes", ","], "--regimes: no regime given"),
+                                      (["--sections", " "], "--sections: no section given")])
 def test_cli_bad_arguments_are_clear_errors(args, msg, capsys):
     assert run.main(["--smoke", *args]) == 2
     err = capsys.readouterr().err
