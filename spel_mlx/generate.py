@@ -113,12 +113,22 @@ def read_prompt(args) -> str:
     if args.prompt_file is not None:
         try:
             if args.prompt_file == "-":
-                return sys.stdin.read()
+                return _utf8_text(sys.stdin.read(), "--prompt-file -")
             with open(args.prompt_file, encoding="utf-8") as f:
                 return f.read()
         except (OSError, UnicodeDecodeError) as e:
             raise UsageError(f"--prompt-file {args.prompt_file}: {getattr(e, 'strerror', None) or e}") from None
-    return DEFAULT_PROMPT if args.prompt is None else args.prompt
+    return DEFAULT_PROMPT if args.prompt is None else _utf8_text(args.prompt, "--prompt")
+
+
+def _utf8_text(text: str, source: str) -> str:
+    """argv and stdin turn invalid bytes into lone surrogates (surrogateescape),
+    which the tokenizers cannot encode: reject them here, as a file's are."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise UsageError(f"{source}: not valid UTF-8 (bad byte at character {e.start})") from None
+    return text
 
 
 def find_tokenizer_path(args, ckpt_path: str, vocab: int):

@@ -343,3 +343,16 @@ def test_unwritable_stdout_is_one_line_error(ckpt, stream):
     assert code == 1
     lines = err.getvalue().strip().splitlines()
     assert len(lines) == 1 and "No space left on device" in lines[0], err.getvalue()
+
+
+def test_prompt_that_is_not_utf8_is_a_usage_error(monkeypatch):
+    # argv and stdin decode invalid bytes to lone surrogates (surrogateescape), which
+    # SentencePiece cannot take: that crashed with a pybind11 RuntimeError traceback
+    args = gen.build_parser().parse_args(["--prompt", "ab\udcffcd"])
+    with pytest.raises(gen.UsageError, match="--prompt: not valid UTF-8"):
+        gen.read_prompt(args)
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(b"ab\xffcd"), encoding="utf-8",
+                                                       errors="surrogateescape"))
+    args = gen.build_parser().parse_args(["--prompt-file", "-"])
+    with pytest.raises(gen.UsageError, match="--prompt-file -: not valid UTF-8"):
+        gen.read_prompt(args)
