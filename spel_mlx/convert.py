@@ -15,6 +15,7 @@ import argparse
 import os
 import sys
 
+from ._cli import internal_error
 from .config import ConfigError
 from .spelw import CheckpointError, Progress
 
@@ -101,11 +102,7 @@ def main(argv=None) -> int:
         print("convert: interrupted (no output written)", file=sys.stderr)
         return 130
     except Exception as e:  # one line, no traceback (SPEL_DEBUG=1 re-raises)
-        if os.environ.get("SPEL_DEBUG") == "1":
-            raise
-        msg = str(e).splitlines()[0] if str(e) else ""
-        print(f"convert: internal error (no output written): {type(e).__name__}: {msg}", file=sys.stderr)
-        return 3
+        return internal_error("convert", e, " (no output written)")
     if not a.quiet:
         print(f"convert: {what}: {a.src} -> {a.dst}", file=sys.stderr)
     return 0

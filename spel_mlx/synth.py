@@ -21,6 +21,7 @@ import sys
 
 import numpy as np
 
+from ._cli import internal_error
 from .config import ConfigError, ModelConfig, resolve_config
 from .layout import TensorSpec, tensor_specs
 from .spelw import CheckpointError, Golden, Progress, SpelwWriter, read_spelw
@@ -102,11 +103,7 @@ def main(argv=None) -> int:
         print("synth: interrupted (no output written)", file=sys.stderr)
         return 130
     except Exception as e:  # one line, no traceback (SPEL_DEBUG=1 re-raises)
-        if os.environ.get("SPEL_DEBUG") == "1":
-            raise
-        msg = str(e).splitlines()[0] if str(e) else ""
-        print(f"synth: internal error (no output written): {type(e).__name__}: {msg}", file=sys.stderr)
-        return 3
+        return internal_error("synth", e, " (no output written)")
     if not a.quiet:
         b = info.get("golden") or {}
         print(f"wrote {a.out}: {os.path.getsize(a.out)} bytes, target {cfg.target_params():,} params, "

@@ -18,6 +18,7 @@ import sys
 
 import numpy as np
 
+from ._cli import internal_error
 from .config import ConfigError, resolve_config
 from .spelw import CheckpointError
 
@@ -107,11 +108,7 @@ def main(argv=None) -> int:
         print("verify_weights: interrupted", file=sys.stderr)
         return 130
     except Exception as e:  # one line, no traceback (SPEL_DEBUG=1 re-raises)
-        if os.environ.get("SPEL_DEBUG") == "1":
-            raise
-        msg = str(e).splitlines()[0] if str(e) else ""
-        print(f"verify_weights: internal error: {type(e).__name__}: {msg}", file=sys.stderr)
-        return 3
+        return internal_error("verify_weights", e, "")
     return 0 if ok else 1
 
 

@@ -211,3 +211,24 @@ def test_default_checkpoint_message(monkeypatch, tmp_path):
     monkeypatch.setenv("SPEL_WEIGHTS", str(tmp_path / "w.spelw"))
     with pytest.raises(CheckpointError, match="w.spelw: no such file"):
         checkpoint.load_checkpoint()
+
+
+def test_unexpected_exception_is_one_line_exit_3(monkeypatch, capsys, tmp_path):
+    import spel_mlx.convert as conv
+    import spel_mlx.verify_weights as vw
+
+    def boom(*a, **k):
+        raise RuntimeError("first line\nsecond line")
+
+    monkeypatch.setattr(vw, "verify", boom)
+    monkeypatch.delenv("SPEL_DEBUG", raising=False)
+    assert vw.main([str(tmp_path / "x.spelw")]) == 3
+    err = capsys.readouterr().err
+    assert err == "verify_weights: internal error: RuntimeError: first line\n"
+    monkeypatch.setattr(conv, "convert", boom)
+    assert conv.main([str(tmp_path / "a.spelw"), str(tmp_path / "b")]) == 3
+    assert capsys.readouterr().err == ("convert: internal error (no output written): "
+                                       "RuntimeError: first line\n")
+    monkeypatch.setenv("SPEL_DEBUG", "1")
+    with pytest.raises(RuntimeError, match="first line"):
+        vw.main([str(tmp_path / "x.spelw")])
