@@ -10,6 +10,7 @@ bytes in turn.
 from __future__ import annotations
 
 import json
+import math
 import os
 
 import numpy as np
@@ -100,10 +101,7 @@ class Entry:
 
     @property
     def numel(self) -> int:
-        n = 1
-        for s in self.shape:
-            n *= s
-        return n
+        return math.prod(self.shape)
 
 
 class SafetensorsFile:

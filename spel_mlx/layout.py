@@ -11,6 +11,7 @@ target layer ``draft_map[j]``.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from .config import ModelConfig
@@ -27,10 +28,7 @@ class TensorSpec:
 
     @property
     def numel(self) -> int:
-        n = 1
-        for s in self.shape:
-            n *= s
-        return n
+        return math.prod(self.shape)
 
     @property
     def nbytes(self) -> int:  # FP32 on disk
