@@ -24,15 +24,21 @@ import mlx.core as mx  # noqa: E402
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--preset", default="21m")
+    ap.add_argument("--preset", default="21m", help="21m, 218m, or 'shipped' (the packaged trained model)")
     ap.add_argument("--repeats", type=int, default=40)
     ap.add_argument("--Ms", default="2,5,9,17")
     ap.add_argument("--prompt", type=int, default=100)
     ap.add_argument("--strict", action="store_true", help="also time strict verify")
     args = ap.parse_args(argv)
-    cfg = resolve_config(args.preset, use_env=False)
+    if args.preset == "shipped":
+        from spel_mlx.checkpoint import load_checkpoint
+        ck = load_checkpoint()
+        cfg, weights = ck.cfg, ck.weights
+    else:
+        cfg = resolve_config(args.preset, use_env=False)
+        weights = model_mod.init_weights(cfg, seed=0)
     Ms = [int(m) for m in args.Ms.split(",")]
-    model = model_mod.SpelModel.from_weights(cfg, model_mod.init_weights(cfg, seed=0))
+    model = model_mod.SpelModel.from_weights(cfg, weights)
     state = model.new_state("target", ring=max(Ms) + 1)
     prompt = [(7 * i + 3) % cfg.vocab for i in range(args.prompt)]
     model.prefill(prompt, state)

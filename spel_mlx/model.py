@@ -242,13 +242,14 @@ def rope_table(max_seq: int, head_dim: int, theta: float):
 class Linear(nn.Module):
     """y = x W^T with W stored [out, in] (SPEC 2), no bias.
 
-    On the CPU the product is taken over row blocks of W (a batched matmul,
-    still one graph node) when that helps the BLAS: OpenBLAS packs the whole
-    weight for a matrix-vector sgemm, which ran at 2-3 GB/s for the 218m
-    shape's 12 MB weights against ~10 GB/s with ~256 KB blocks; several rows
-    (the K+1 verify batch) gain 1.5-2x from blocks at every size.  Blocking
-    changes only which rows one BLAS call sees, so the M=1 pass stays the same
-    function for single steps and strict rows.
+    On the CPU a compiled pass multiplies by a private copy of W laid out for
+    the BLAS: blocks of 32-64 output rows, each block stored transposed and
+    contiguous ([nb, in, rb], one batched matmul node).  MLX hands OpenBLAS a
+    strided W^T as a transposed operand, which it re-packs on every call:
+    x @ W.T for 2-16 rows ran 4-6x slower than for one row (a 768x256 weight,
+    5 rows: 133 us vs 35 us contiguous).  Blocks keep each packed panel and
+    its result in L2.  Blocking changes only which rows one BLAS call sees,
+    so the M=1 pass stays the same function for single steps and strict rows.
     """
 
     def __init__(self, d_in: int, d_out: int):
@@ -261,17 +262,17 @@ class Linear(nn.Module):
         M = x.shape[0] if x.ndim == 2 else 0
         rb = _row_block(W.shape[0], W.shape[1], M) if M else None
         if rb is None:
-            return (W @ x.T).T if M > 1 else x @ self.weight_view(None)
+            return x @ self.weight_view(None)
         y = x @ self.weight_view(rb)                                     # [nb, M, rb]
         return y.reshape(1, -1) if M == 1 else y.transpose(1, 0, 2).reshape(M, -1)
 
     def weight_view(self, rb, warm: bool = False):
-        """W^T (rb None) or W as row blocks [nb, in, rb]: strided views of the
-        weight (no copy).  ``warm`` (outside any trace: the model warms every
-        pass's views before compiling it) evaluates and keeps the view, so a
-        compiled pass captures it as a constant instead of tracing the reshape
-        and transpose nodes into every call.  Dropped when ``update``
-        replaces W (the cache holds the array it was built from)."""
+        """W^T (rb None) or W as row blocks [nb, in, rb].  Traced (``warm``
+        False): strided views of the weight, differentiable.  ``warm`` (outside
+        any trace: the model warms every pass's layout before compiling it):
+        on the CPU a contiguous copy, evaluated and kept, so a compiled pass
+        captures it as a constant.  Dropped when ``update`` replaces W (the
+        cache holds the array it was built from)."""
         cache = self.__dict__.get("_views")
         if cache is None or cache[0] is not self.weight:
             cache = (self.weight, {})
@@ -281,39 +282,36 @@ class Linear(nn.Module):
             W = self.weight
             view = W.T if rb is None else W.reshape(W.shape[0] // rb, rb, W.shape[1]).transpose(0, 2, 1)
             if warm:
+                if mx.default_device() == mx.cpu:
+                    view = mx.contiguous(view)
                 mx.eval(view)
                 cache[1][rb] = view
         return view
 
     def warm(self, M: int) -> None:
-        """Build the weight view an M-row call uses (see weight_view)."""
+        """Build the weight layout an M-row call uses (see weight_view)."""
         W = self.weight
-        rb = _row_block(W.shape[0], W.shape[1], M)
-        if rb is not None or M == 1:
-            self.weight_view(rb, warm=True)
+        self.weight_view(_row_block(W.shape[0], W.shape[1], M), warm=True)
 
 
-# Row blocking of the CPU matmuls (see Linear).  None turns it off.
-BLOCK_BYTES = 256 * 1024
-_BLOCK_FROM_BYTES_M1 = 2 * 1024 * 1024   # one row: only weights larger than this
+# Rows per block of the CPU matmuls (see Linear), by batch size; None turns
+# blocking off.  Measured over all of a model's weights (ms, M = 1/5/9/17 rows):
+# shipped d256: 64 rows 1.13/1.70/2.23/3.45, 32 rows 1.29/2.14/2.50/3.71,
+# one contiguous W^T 2.08/3.57/4.79/5.99, strided W^T 2.65/7.79/8.43/9.58;
+# 218m: 64 rows 31/40/76/173, 32 rows 32/50/56/104.
+BLOCK_ROWS = {5: 64, None: 32}   # up to 5 rows: 64-row blocks; more: 32
+MIN_BLOCK_ROWS = 16
 
 
 def _row_block(rows: int, cols: int, M: int):
-    """Rows per block for this weight and batch, or None for a plain matmul."""
-    if BLOCK_BYTES is None or mx.default_device() != mx.cpu:
+    """Rows per block for this weight and batch, or None for one W^T."""
+    if BLOCK_ROWS is None or mx.default_device() != mx.cpu:
         return None
-    nbytes = 4 * rows * cols
-    if nbytes <= BLOCK_BYTES or (M == 1 and nbytes <= _BLOCK_FROM_BYTES_M1):
+    limit = BLOCK_ROWS[5] if M <= 5 else BLOCK_ROWS[None]
+    if rows <= limit:
         return None
-    # more rows, smaller blocks: the packed block plus its M-row result stays in
-    # L2 (21m, 60 weights: M=9 13.3 ms with 128 KB vs 15.7 with 256 KB; M=17
-    # 17.2 ms with 64 KB vs 25 with 256 KB; M <= 5 best at 256 KB)
-    block = BLOCK_BYTES if M <= 5 else BLOCK_BYTES // 2 if M <= 9 else BLOCK_BYTES // 4
-    # at least 16 rows even past the budget: wide weights (218m w2, 3072
-    # columns) ran 2x slower unblocked at M=9 and M=17, and fine with 16 rows
-    limit = max(16, block // (4 * cols))
-    rb = max((r for r in range(1, min(limit, rows) + 1) if rows % r == 0), default=1)
-    return rb if rb >= 16 else None
+    rb = max(r for r in range(1, limit + 1) if rows % r == 0)
+    return rb if rb >= MIN_BLOCK_ROWS else None
 
 
 class RMSNorm(nn.Module):

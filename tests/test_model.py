@@ -276,9 +276,8 @@ def test_row_blocked_matmuls(small, monkeypatch):
     """The CPU row-blocking of Linear (off for SMALL's tiny weights by default),
     forced on: still the reference function, and strict stays bit-identical."""
     import spel_mlx.model as model_mod
-    monkeypatch.setattr(model_mod, "BLOCK_BYTES", 8192)
-    monkeypatch.setattr(model_mod, "_BLOCK_FROM_BYTES_M1", 8192)
-    assert model_mod._row_block(96, 64, 1) == 32 and model_mod._row_block(64, 96, 5) == 16
+    monkeypatch.setattr(model_mod, "BLOCK_ROWS", {5: 32, None: 16})
+    assert model_mod._row_block(96, 64, 1) == 32 and model_mod._row_block(64, 96, 9) == 16
     w, _ = small
     model = SpelModel.from_weights(SMALL, w)
     toks = tokens(20, seed=17)
@@ -423,16 +422,30 @@ def test_update_rebuilds_cached_constants(small):
 
 
 def test_row_block_sizes_by_batch():
-    """Blocks shrink with the batch (256 KB up to 5 rows, 128 KB to 9, 64 KB past),
-    never below 16 rows (wide weights stay blocked); small weights stay plain."""
+    """64-row blocks up to 5 rows, 32 beyond (a divisor of the rows, at least 16);
+    weights of at most one block's rows are one contiguous W^T."""
     from spel_mlx.model import _row_block
-    assert _row_block(3072, 1024, 1) == 64                  # 12 MB, one row: 256 KB blocks
-    assert _row_block(1024, 384, 1) is None                 # 1.5 MB, one row: plain
-    assert _row_block(1024, 384, 5) == 128                  # 128 rows x 384 x 4 B = 192 KB <= 256 KB
-    assert _row_block(1024, 384, 9) == 64                   # <= 128 KB
-    assert _row_block(1024, 384, 17) == 32                  # <= 64 KB
-    assert _row_block(1024, 3072, 9) == 16 and _row_block(1024, 3072, 17) == 16   # 192 KB: 16-row floor
-    assert _row_block(64, 64, 5) is None                    # 16 KB: below one block
+    assert _row_block(3072, 1024, 1) == 64 and _row_block(3072, 1024, 5) == 64
+    assert _row_block(3072, 1024, 9) == 32 and _row_block(3072, 1024, 17) == 32
+    assert _row_block(1152, 384, 5) == 64 and _row_block(1152, 384, 6) == 32
+    assert _row_block(2048, 256, 1) == 64                   # the shipped LM head
+    assert _row_block(64, 64, 5) is None                    # one block: plain W^T
+    assert _row_block(40, 64, 17) == 20                     # 40 rows > 32: divisor 20 ...
+    assert _row_block(100, 64, 1) == 50 and _row_block(97, 64, 1) is None   # ... prime: no blocks
+
+
+def test_warm_layout_is_contiguous_and_exact():
+    """The warmed (CPU) weight layout is a contiguous copy, and x @ it equals x @ W^T."""
+    from spel_mlx.model import Linear
+    lin = Linear(64, 192)
+    x = mx.random.normal((5, 64))
+    want = np.asarray(x) @ np.asarray(lin.weight).T
+    for M in (1, 5, 9):
+        lin.warm(M)
+        got = np.asarray(lin(x[:M]))
+        assert np.abs(got - want[:M]).max() < 1e-5
+    rb64 = lin.weight_view(64)
+    assert rb64.shape == (3, 64, 64) and np.array_equal(np.asarray(rb64)[1], np.asarray(lin.weight)[64:128].T)
 
 
 def test_silu_mul_matches_float64():
