@@ -501,6 +501,7 @@ static int run_token(spel_draft *d, int32_t tok, int j, float *logits) {
         qlinear(d, d->g1, ff, &L->w2, d->mix, NULL, NULL);
         for (int i = 0; i < dm; i++) d->x[i] = d->h[i] + d->mix[i];
     }
+    if (!logits) return 0;   /* state only: the FP32 head is ~a third of a token */
     rmsnorm(d->x, d->fnorm, dm, c->norm_eps, d->xn);
     if (c->q8_head) qlinear(d, d->xn, dm, &d->head_q, logits, NULL, NULL);
     else spel_fgemv(d->pool, d->head, c->vocab, dm, d->xn, logits);
@@ -516,7 +517,7 @@ int spel_draft_forward_from(spel_draft *d, const int32_t *tokens, int m, int sta
         return fail(d, "the last batch filled the ring (%d slots); commit before starting a new batch", d->R);
     if (start + m > d->R) return fail(d, "batch of %d tokens exceeds the ring (%d slots)", start + m, d->R);
     for (int j = 0; j < m; j++)
-        if (run_token(d, tokens[j], start + j, logits + (size_t)j * d->cfg.vocab)) {
+        if (run_token(d, tokens[j], start + j, logits ? logits + (size_t)j * d->cfg.vocab : NULL)) {
             d->last_m = 0;
             return -1;
         }
@@ -550,7 +551,8 @@ int spel_draft_propose(spel_draft *d, int32_t pending, int k, int32_t *out) {
     int32_t t = pending;
     int rc = 0;
     for (int j = 0; j <= k; j++) {
-        if ((rc = run_token(d, t, j, logits))) break;
+        /* the last forward only extends the state over d_{k-1}: no logits */
+        if ((rc = run_token(d, t, j, j == k ? NULL : logits))) break;
         if (j == k) break;
         int best = 0;
         for (int v = 1; v < d->cfg.vocab; v++)

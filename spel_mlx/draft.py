@@ -310,14 +310,15 @@ class CDraft:
         self._check(lib.spel_draft_step(self._live(), int(self._tokens([token])[0]), _ptr("float", out)))
         return out
 
-    def forward(self, tokens, start: int = 0) -> np.ndarray:
+    def forward(self, tokens, start: int = 0, logits: bool = True):
         """Forward tokens as offsets start.. of the uncommitted batch (start=0 starts a new
-        batch; start=j continues one that already holds j tokens). No commit. [M, V]."""
+        batch; start=j continues one that already holds j tokens). No commit. [M, V]
+        logits, or None with ``logits=False`` (the state only: no final norm and head)."""
         toks = self._tokens(tokens)
         m = toks.shape[0]
-        out = np.empty((m, self.cfg.vocab), np.float32)
+        out = np.empty((m, self.cfg.vocab), np.float32) if logits else None
         self._check(lib.spel_draft_forward_from(self._live(), _ptr("int32_t", toks), m, int(start),
-                                                _ptr("float", out)))
+                                                _ptr("float", out) if logits else ffi.NULL))
         return out
 
     def propose(self, pending: int, k: int) -> list:

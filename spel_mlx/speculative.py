@@ -197,7 +197,7 @@ class CDraftEngine(DraftEngine):
     def sync(self, history):
         while self.pos < len(history):
             chunk = list(history[self.pos:self.pos + self.ring])
-            self.d.forward(chunk)
+            self.d.forward(chunk, logits=False)
             self.d.commit(len(chunk))
             self.forwards += len(chunk)
 

@@ -196,6 +196,23 @@ def test_propose_is_greedy_and_uncommitted(small_weights):
         ref2.close()
 
 
+def test_state_only_forwards_leave_the_same_state(small_weights):
+    """propose's last forward and forward(logits=False) skip the head, not the state:
+    committing all K+1 of a proposal, or a logits-free batch, continues exactly."""
+    K = 4
+    with draft.CDraft(SMALL, small_weights, ring=K + 1) as d, draft.CDraft(SMALL, small_weights, ring=K + 1) as ref:
+        props = d.propose(42, K)
+        d.commit(K + 1)                                # all accepted: the state covers d_{K-1}
+        for t in [42] + props:
+            ref.step(t)
+        assert np.array_equal(d.step(7), ref.step(7))
+        assert d.forward([5, 6, 8], logits=False) is None
+        d.commit(3)
+        for t in (5, 6, 8):
+            ref.step(t)
+        assert np.array_equal(d.step(9), ref.step(9))
+
+
 def test_reset_reproduces(small_weights):
     toks = golden_tokens(SMALL, 6, seed=9)
     with draft.CDraft(SMALL, small_weights) as d:
