@@ -74,6 +74,8 @@ class TrainConfig:
     data: str = "data/corpus"
     tokenizer: str = ""           # default: spel_mlx/assets/tokenizer.model
     init: str = ""                # draft mode: the target run directory
+    onpolicy: str = ""            # draft mode: .npy of target-generated windows [n, seq+1]
+    onpolicy_frac: float = 0.5    # share of each draft batch drawn from them
 
 
 # --- data ---------------------------------------------------------------------
@@ -100,6 +102,61 @@ def batch_at(tokens: np.ndarray, step: int, seed: int, batch: int, seq: int):
     idx = starts[:, None] + np.arange(seq + 1)[None, :]
     w = tokens[idx]
     return w[:, :-1], w[:, 1:]
+
+
+def mix_onpolicy(x, y, rows: np.ndarray, step: int, seed: int, frac: float):
+    """Replace the first round(frac * batch) rows of a batch by target-generated
+    windows (deterministic in (seed, step), like batch_at)."""
+    n = int(round(frac * x.shape[0]))
+    if n <= 0 or rows is None or len(rows) == 0:
+        return x, y
+    rng = np.random.default_rng([seed, step, 1])
+    w = rows[rng.integers(0, len(rows), size=n), :x.shape[1] + 1]
+    x, y = x.copy(), y.copy()
+    x[:n], y[:n] = w[:, :-1], w[:, 1:]
+    return x, y
+
+
+def generate_onpolicy(target_run: str, out_path: str, minutes: float, data_dir: str = "data/corpus",
+                      tokenizer_path: str = "", seq: int = 256, prompt_len: int = 64, seed: int = 0,
+                      max_rows: int = 0, quiet: bool = False) -> dict:
+    """Target-generated training windows for the draft (on-policy distillation data).
+
+    Each row is prompt_len tokens of training text followed by the target's own
+    continuation (seq + 1 tokens in all): even rows greedy (what greedy
+    speculative decoding verifies), odd rows sampled at temperature 0.8.  The
+    draft then learns the target where the target's own decoding takes it.
+    Rows are written as int32 [n, seq+1] (.npy, atomically) when time is up."""
+    from . import sampling as smp
+    from .model import SpelModel
+    from .speculative import SpeculativeDecoder
+    from .tokenizer import load_tokenizer
+    _, cfg, params, _, _ = load_checkpoint_dir(target_run)
+    tok = load_tokenizer(cfg.vocab, tokenizer_path or None)
+    train_tok = load_tokens(data_dir, tok, "train")
+    names = [sp.name for sp in layout.tensor_specs(cfg)]
+    model = SpelModel.from_weights(cfg, {n: params[n] for n in names})
+    greedy = SpeculativeDecoder(model, None, "ar")
+    sampled = SpeculativeDecoder(model, None, "ar",
+                                 params=smp.SamplingParams(temperature=0.8, top_p=0.95, seed=seed))
+    rng = np.random.default_rng([seed, 7])
+    rows, t0, n_gen = [], time.time(), seq + 1 - prompt_len
+    while time.time() - t0 < minutes * 60 and (not max_rows or len(rows) < max_rows):
+        s = int(rng.integers(0, len(train_tok) - prompt_len))
+        prompt = [int(t) for t in train_tok[s:s + prompt_len]]
+        dec = greedy if len(rows) % 2 == 0 else sampled
+        out = dec.generate(prompt, n_gen)
+        rows.append(prompt + out + [0] * (n_gen - len(out)))
+        if not quiet and len(rows) % 20 == 0:
+            el = time.time() - t0
+            print(f"[onpolicy] {len(rows)} rows, {len(rows) * n_gen:,} generated tokens, "
+                  f"{len(rows) * n_gen / el:.0f} tok/s, {el / 60:.1f}/{minutes:g} min", flush=True)
+    arr = np.asarray(rows, dtype=np.int32).reshape(-1, seq + 1)
+    tmp = out_path + ".tmp.npy"
+    np.save(tmp, arr)
+    os.replace(tmp, out_path)
+    return {"rows": int(arr.shape[0]), "generated_tokens": int(arr.shape[0] * n_gen),
+            "seconds": round(time.time() - t0, 1), "path": out_path}
 
 
 def eval_windows(tokens: np.ndarray, seq: int, max_tokens: int):
@@ -368,11 +425,14 @@ def train(run: str, cfg: ModelConfig | None, tc: TrainConfig, tokenizer=None,
         if tc.mode == "draft":
             if not tc.init:
                 raise TrainError("draft mode needs --init RUN_DIR (a trained target run)")
-            _, cfg_t, params_t, _, _ = load_checkpoint_dir(tc.init)
+            state_t, cfg_t, params_t, _, _ = load_checkpoint_dir(tc.init)
             if cfg is not None and cfg != cfg_t:
                 raise TrainError(f"--config differs from the target run {tc.init}'s config")
             cfg = cfg_t
-            params = tm.copy_target_to_draft(cfg, dict(params_t))
+            # from a target run: draft layers start as copies of target layers; from
+            # a draft run: its distilled draft is trained further (e.g. on-policy)
+            params = dict(params_t) if state_t["train"]["mode"] == "draft" else \
+                tm.copy_target_to_draft(cfg, dict(params_t))
         else:
             if cfg is None:
                 raise TrainError("target mode needs a model config")
@@ -388,6 +448,18 @@ def train(run: str, cfg: ModelConfig | None, tc: TrainConfig, tokenizer=None,
     held_tok = load_tokens(tc.data, tokenizer, "heldout")
     if len(train_tok) < tc.seq + 2 or len(held_tok) < tc.seq + 2:
         raise TrainError(f"{tc.data}: corpus too small for seq={tc.seq}")
+    onpolicy_rows = None
+    if tc.onpolicy:
+        if tc.mode != "draft":
+            raise TrainError("--onpolicy data is for draft distillation")
+        try:
+            onpolicy_rows = np.load(tc.onpolicy)
+        except (OSError, ValueError) as e:
+            raise TrainError(f"{tc.onpolicy}: cannot read on-policy windows ({e})") from None
+        if onpolicy_rows.ndim != 2 or onpolicy_rows.shape[1] < tc.seq + 1 or \
+                onpolicy_rows.min(initial=0) < 0 or onpolicy_rows.max(initial=0) >= cfg.vocab:
+            raise TrainError(f"{tc.onpolicy}: expected int windows [n, >= {tc.seq + 1}] of token ids "
+                             f"< {cfg.vocab}, got shape {onpolicy_rows.shape}")
 
     prefix = "draft." if tc.mode == "draft" else ""
     names = [s.name for s in layout.tensor_specs(cfg)]
@@ -440,6 +512,8 @@ def train(run: str, cfg: ModelConfig | None, tc: TrainConfig, tokenizer=None,
         t_step = time.time()
         lr = ctl.lr(tc, step)
         x, y = batch_at(train_tok, step, tc.seed, tc.batch, tc.seq)
+        if onpolicy_rows is not None:
+            x, y = mix_onpolicy(x, y, onpolicy_rows, step, tc.seed, tc.onpolicy_frac)
         loss, gnorm, ok, np_, nm, nv = step_fn(train_p, frozen, m, v, mx.array(x), mx.array(y),
                                                mx.array(lr, mx.float32),
                                                mx.array(adam_t + 1, mx.float32),
@@ -582,6 +656,16 @@ def main(argv=None) -> int:
     e.add_argument("--dtype", default="float16", choices=["float16", "bfloat16", "float32"])
     e.add_argument("--data", default="data/corpus")
     e.add_argument("--spelw", default="", help="where the FP32 SPELW001 file goes (default RUN/model.spelw)")
+    g = sub.add_parser("onpolicy", help="target-generated windows for draft distillation (--onpolicy)")
+    g.add_argument("--init", required=True, help="the trained target run")
+    g.add_argument("--out", required=True, help=".npy file to write")
+    g.add_argument("--minutes", type=float, default=8.0)
+    g.add_argument("--max-rows", type=int, default=0)
+    g.add_argument("--data", default="data/corpus")
+    g.add_argument("--tokenizer", default="")
+    g.add_argument("--seq", type=int, default=256)
+    g.add_argument("--prompt-len", type=int, default=64)
+    g.add_argument("--seed", type=int, default=0)
     al = sub.add_parser("all", help="corpus, tokenizer, target, draft and export in one go")
     al.add_argument("--runs", default="runs")
     al.add_argument("--data", default="data/corpus")
@@ -606,6 +690,11 @@ def main(argv=None) -> int:
             resuming = os.path.exists(os.path.join(a.run, "ckpt", "state.json"))
             s = train(a.run, cfg, _tc_from_args(a, a.cmd), extend_to=a.steps if resuming else None)
             print(json.dumps(s, default=float))
+        elif a.cmd == "onpolicy":
+            if not 1 <= a.prompt_len <= a.seq:
+                raise TrainError(f"--prompt-len {a.prompt_len}: must be in 1..--seq ({a.seq})")
+            print(json.dumps(generate_onpolicy(a.init, a.out, a.minutes, a.data, a.tokenizer, a.seq,
+                                               a.prompt_len, a.seed, a.max_rows)))
         elif a.cmd == "export":
             print(export_run(a.run, a.out, a.dtype, data_dir=a.data, spelw_path=a.spelw))
         else:

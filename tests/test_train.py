@@ -197,6 +197,45 @@ def test_draft_distillation(tmp_path, target_run, data_dir):
     assert 0.0 <= evals[-1]["heldout_top1_agree"] <= 1.0
 
 
+def test_onpolicy_windows_and_mixture(tmp_path, target_run, data_dir):
+    """Target-generated windows: prompt from the training text + the target's own
+    greedy (even rows) continuation, reproducible; a draft batch mixes them in
+    deterministically; a draft run trains on them and can continue a draft run."""
+    from spel_mlx.model import SpelModel
+    from spel_mlx.speculative import SpeculativeDecoder
+    trun, _ = target_run
+    out = str(tmp_path / "op.npy")
+    r = T.generate_onpolicy(trun, out, minutes=5, data_dir=data_dir, seq=32, prompt_len=8,
+                            max_rows=4, quiet=True)
+    rows = np.load(out)
+    assert r["rows"] == 4 and rows.shape == (4, 33) and rows.dtype == np.int32
+    _, cfg, params, _, _ = T.load_checkpoint_dir(trun)
+    model = SpelModel.from_weights(cfg, {n: params[n] for n in params})
+    assert SpeculativeDecoder(model, None, "ar").generate(rows[0, :8].tolist(), 25) == rows[0, 8:].tolist()
+    T.generate_onpolicy(trun, out + "2.npy", minutes=5, data_dir=data_dir, seq=32, prompt_len=8,
+                        max_rows=4, quiet=True)
+    assert np.array_equal(np.load(out + "2.npy"), rows)
+    x, y = T.batch_at(np.arange(1000, dtype=np.int32), 3, 0, 4, 32)
+    mx_, my = T.mix_onpolicy(x, y, rows, 3, 0, 0.5)
+    assert all(any(np.array_equal(mx_[i], w[:-1]) and np.array_equal(my[i], w[1:]) for w in rows)
+               for i in range(2))
+    assert np.array_equal(mx_[2:], x[2:]) and np.array_equal(T.mix_onpolicy(x, y, rows, 3, 0, 0.5)[0], mx_)
+    d1 = str(tmp_path / "d1")
+    T.train(d1, None, _tc(data_dir, mode="draft", init=trun, steps=6, lr=2e-3, onpolicy=out),
+            tokenizer=ByteTokenizer(), quiet=True)
+    d1p = T.load_checkpoint_dir(d1)[2]
+    d2 = str(tmp_path / "d2")   # continue the distilled draft: starts from d1's draft weights
+    T.train(d2, None, _tc(data_dir, mode="draft", init=d1, steps=1, lr=0.0, warmup=0, onpolicy=out),
+            tokenizer=ByteTokenizer(), quiet=True)
+    d2p = T.load_checkpoint_dir(d2)[2]
+    n = "draft.layers.1.mixer.wqkv.weight"
+    assert np.array_equal(np.array(d1p[n]), np.array(d2p[n]))
+    fresh = tm.copy_target_to_draft(cfg, dict(params))[n]   # what a target init would give
+    assert not np.array_equal(np.array(d1p[n]), np.array(fresh))
+    with pytest.raises(T.TrainError, match="onpolicy data is for draft"):
+        T.train(str(tmp_path / "bad"), TINY, _tc(data_dir, onpolicy=out), tokenizer=ByteTokenizer(), quiet=True)
+
+
 def test_export_spelw_and_f16_folder(tmp_path, target_run, data_dir):
     run, _ = target_run
     out = T.export_run(run, str(tmp_path / "model"), dtype="float16", data_dir=data_dir,
