@@ -14,8 +14,9 @@ This module provides
 * ``EmulatedOps``: the SAME kernel bodies compiled as C++ against
   ``tests/metal_emu/metal_emu.h`` and run on numpy buffers (tests and
   diagnostics; needs a source checkout and g++).
-* ``select(path)`` (``"auto" | "mlx" | "metal" | "emulated"``, default from
-  SPEL_KERNELS, else auto = metal when available, else mlx) and ``describe()``.
+* ``select(path)`` (``"auto" | "mlx" | "cpu" | "metal" | "emulated"``, default
+  from SPEL_KERNELS, else auto = metal when available, else cpu (the fused CPU
+  primitives of ``spel_mlx.cpu_ops``) when built, else mlx) and ``describe()``.
 
 Beyond the contract both kernel paths offer fused forms (``delta_rule_fused``:
 L2 norm + sigmoid gates + delta rule; ``attend_rope``: q norm + RoPE +
@@ -37,7 +38,7 @@ import mlx.core as mx  # the package __init__ has already loaded the BLAS
 
 from .metal import source as _metal_source
 
-PATHS = ("auto", "mlx", "metal", "emulated")
+PATHS = ("auto", "mlx", "cpu", "metal", "emulated")
 
 
 @dataclass(frozen=True)
@@ -500,7 +501,8 @@ def resolve(path: str | None = None) -> str:
         raise ValueError("kernel path %r: expected one of %s (argument or SPEL_KERNELS)"
                          % (p, ", ".join(PATHS)))
     if p == "auto":
-        p = "metal" if metal_available() else "mlx"
+        from . import cpu_ops
+        p = "metal" if metal_available() else "cpu" if cpu_ops.available() else "mlx"
     return p
 
 
@@ -511,6 +513,9 @@ def select(path: str | None = None):
     if p == "mlx":
         from .model import MLXOps
         ops = MLXOps()
+    elif p == "cpu":
+        from .cpu_ops import CPUFusedOps
+        ops = CPUFusedOps()      # raises with the reason when the module is unusable
     elif p == "metal":
         ops = MetalOps()
     else:
@@ -533,7 +538,15 @@ def describe() -> str:
         return "metal (%s): custom kernels %s via mx.fast.metal_kernel" % (how, names)
     if p == "emulated":
         return "emulated (%s): kernels %s compiled as C++ on the CPU (tests/diagnostics)" % (how, names)
-    why = "" if metal_available() else "; Metal unavailable on this machine"
+    from . import cpu_ops
+    ok, why = cpu_ops.status()
+    if p == "cpu":
+        if not ok:
+            return "cpu (%s) requested, but %s: select() will fail" % (how, why)
+        return ("cpu (%s): fused CPU primitives (spel_mlx._spel_cpu, %s): linear, RMSNorm, "
+                "SwiGLU gate, conv, delta rule, attention" % (how, why))
+    why = ("" if metal_available() else "; Metal unavailable on this machine") + \
+        ("" if ok else "; fused CPU primitives unavailable: " + why)
     return "mlx (%s): MLX ops%s" % (how, why)
 
 

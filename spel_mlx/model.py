@@ -155,6 +155,14 @@ class MLXOps:
         o = mx.concatenate(outs, axis=2).transpose(2, 0, 1) * (1.0 / math.sqrt(hd))
         return o, mx.stack(states)
 
+    def rms_norm(self, x, weight, eps: float):
+        """RMSNorm of the rows of x [M,d] (SPEC 2)."""
+        return mx.fast.rms_norm(x, weight, eps)
+
+    def silu_mul(self, a, b):
+        """The SwiGLU gate silu(a) * b (see the module function silu_mul)."""
+        return silu_mul(a, b)
+
     def attend(self, q, k_cache, v_cache, pos0, M):
         """Causal softmax attention of M queries against a KV cache window.
 
@@ -202,6 +210,20 @@ class MLXOps:
 
 
 DEFAULT_OPS = MLXOps()
+
+
+def auto_ops():
+    """The ops a new model starts with: on the CPU device the fused CPU primitives
+    (``spel_mlx.cpu_ops``) when they are built for this MLX and SPEL_KERNELS is
+    unset, "auto" or "cpu"; else the plain MLX ops (Metal kernels are chosen
+    explicitly, through ``spel_mlx.kernels.select``)."""
+    import os
+    if os.environ.get("SPEL_KERNELS", "auto").strip().lower() in ("auto", "cpu", "") \
+            and mx.default_device() == mx.cpu:
+        from . import cpu_ops
+        if cpu_ops.available():
+            return cpu_ops.CPUFusedOps()
+    return DEFAULT_OPS
 # widest cache window MLXOps.attend reads head-major for M > 1 (see _attend_head_major;
 # 21m, M=5: 0.10 vs 0.18 ms at W=128, 0.8 vs 1.1 ms at 1024, 8.1 vs 4.6 ms at 4096)
 ATTEND_HEAD_MAJOR_MAX = 1024
@@ -257,10 +279,14 @@ class Linear(nn.Module):
         scale = 1.0 / math.sqrt(d_in)
         self.weight = mx.random.uniform(-scale, scale, (d_out, d_in))
 
-    def __call__(self, x):
+    def __call__(self, x, ops=None):
         W = self.weight
         M = x.shape[0] if x.ndim == 2 else 0
         rb = _row_block(W.shape[0], W.shape[1], M) if M else None
+        if M and hasattr(ops, "linear"):
+            blocks = self.__dict__.get("_views", (None, {}))[1].get(("3d", rb))
+            if blocks is not None and self._views[0] is self.weight:
+                return ops.linear(x, blocks)                              # one fused node
         if rb is None:
             return x @ self.weight_view(None)
         y = x @ self.weight_view(rb)                                     # [nb, M, rb]
@@ -288,10 +314,18 @@ class Linear(nn.Module):
                 cache[1][rb] = view
         return view
 
-    def warm(self, M: int) -> None:
-        """Build the weight layout an M-row call uses (see weight_view)."""
+    def warm(self, M: int, blocks: bool = False) -> None:
+        """Build the weight layout an M-row call uses (see weight_view);
+        ``blocks``: also as a 3-D [nb, in, rb] array (one block for a plain
+        W^T), the operand of an ops object's fused ``linear``."""
         W = self.weight
-        self.weight_view(_row_block(W.shape[0], W.shape[1], M), warm=True)
+        rb = _row_block(W.shape[0], W.shape[1], M)
+        view = self.weight_view(rb, warm=True)
+        if blocks and ("3d", rb) not in self._views[1]:
+            b3 = view if rb is not None else view.reshape(1, *view.shape)
+            b3 = mx.contiguous(b3)
+            mx.eval(b3)
+            self._views[1][("3d", rb)] = b3
 
 
 # Rows per block of the CPU matmuls (see Linear), by batch size; None turns
@@ -312,6 +346,13 @@ def _row_block(rows: int, cols: int, M: int):
         return None
     rb = max(r for r in range(1, limit + 1) if rows % r == 0)
     return rb if rb >= MIN_BLOCK_ROWS else None
+
+
+def _rms_norm(ops, x, norm):
+    """norm(x) through the ops object's rms_norm when it has one (ops objects
+    need only the three sequence primitives; the rest are optional)."""
+    f = getattr(ops, "rms_norm", None)
+    return norm(x) if f is None else f(x, norm.weight, norm.eps)
 
 
 class RMSNorm(nn.Module):
@@ -388,8 +429,9 @@ class MLP(nn.Module):
         self.w3 = Linear(d, ff)
         self.w2 = Linear(ff, d)
 
-    def __call__(self, x):
-        return self.w2(silu_mul(self.w1(x), self.w3(x)))
+    def __call__(self, x, ops=None):
+        gate = getattr(ops, "silu_mul", silu_mul)
+        return self.w2(gate(self.w1(x, ops), self.w3(x, ops)), ops)
 
 
 class GatedDeltaNet(nn.Module):
@@ -425,24 +467,24 @@ class GatedDeltaNet(nn.Module):
             mx.eval(g[M])
         return {"a": g["a"], "b": g["b"], "chunk": g.get(M)}
 
-    def qkv(self, u):
+    def qkv(self, u, ops=None):
         """u [M,d] -> unit q, unit k, v, each [M,H,hd]."""
         M, H, hd = u.shape[0], self.n_heads, self.head_dim
-        qkv = self.wqkv(u).reshape(M, 3, H, hd)
+        qkv = self.wqkv(u, ops).reshape(M, 3, H, hd)
         qk = l2_normalize(qkv[:, 0:2])                     # q and k in one pass
         return qk[:, 0:1].reshape(M, H, hd), qk[:, 1:2].reshape(M, H, hd), qkv[:, 2:3].reshape(M, H, hd)
 
     def __call__(self, x, S0, tail, ops):
         """x [M,d] normed input.  Returns out [M,d], the M states [H,hd,hd], tails, q, k."""
         u, tails = ops.conv_step(x, tail, self.conv)
-        q, k, v = self.qkv(u)
+        q, k, v = self.qkv(u, ops)
         g = self.gates(x.shape[0])
         if hasattr(ops, "delta_rule_states"):
             o, states = ops.delta_rule_states(q, k, v, g["a"], g["b"], S0, gates=g["chunk"])
         else:
             o, S_all = ops.delta_rule(q, k, v, g["a"], g["b"], S0)
             states = _rows(S_all, x.shape[0])
-        return self.wo(o.reshape(x.shape[0], -1)), states, tails, q, k
+        return self.wo(o.reshape(x.shape[0], -1), ops), states, tails, q, k
 
 
 class Attention(nn.Module):
@@ -477,10 +519,10 @@ class Attention(nn.Module):
         x0, x1 = pairs[..., 0:1], pairs[..., 1:2]
         return mx.concatenate([x0 * c - x1 * s, x1 * c + x0 * s], axis=-1).reshape(x.shape)
 
-    def qkv(self, x, offset):
+    def qkv(self, x, offset, ops=None):
         """x [M,d] -> rotated unit q, rotated unit k, v, each [M,H,hd]."""
         M, H, hd = x.shape[0], self.n_heads, self.head_dim
-        qkv = self.wqkv(x).reshape(M, 3, H, hd)
+        qkv = self.wqkv(x, ops).reshape(M, 3, H, hd)
         qk = self.rope(l2_normalize(qkv[:, 0:2]), offset)
         return qk[:, 0:1].reshape(M, H, hd), qk[:, 1:2].reshape(M, H, hd), qkv[:, 2:3].reshape(M, H, hd)
 
@@ -491,11 +533,11 @@ class Attention(nn.Module):
         ``window`` rows.  Returns out [M,d] and the updated caches.
         """
         M = x.shape[0]
-        q, k, v = self.qkv(x, pos0)
+        q, k, v = self.qkv(x, pos0, ops)
         k_cache = mx.slice_update(k_cache, k, pos0, axes=(0,))
         v_cache = mx.slice_update(v_cache, v, pos0, axes=(0,))
         o = ops.attend(q, k_cache[:window], v_cache[:window], pos0, M)
-        return self.wo(o.reshape(M, -1)), k_cache, v_cache
+        return self.wo(o.reshape(M, -1), ops), k_cache, v_cache
 
 
 class Block(nn.Module):
@@ -509,8 +551,10 @@ class Block(nn.Module):
         self.ffn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.mlp = MLP(cfg.d_model, cfg.d_ff)
 
-    def ffn(self, h):
-        return h + self.mlp(self.ffn_norm(h))
+    def ffn(self, h, ops=None):
+        if ops is None:
+            return h + self.mlp(self.ffn_norm(h))
+        return h + self.mlp(_rms_norm(ops, h, self.ffn_norm), ops)
 
 
 class DraftStack(nn.Module):
@@ -532,7 +576,7 @@ class SpelModel(nn.Module):
         self.final_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.lm_head = Linear(cfg.d_model, cfg.vocab)
         self.draft = DraftStack(cfg)
-        self._ops = DEFAULT_OPS
+        self._ops = auto_ops()
         object.__setattr__(self, "_compile", True)
         # (stack, M, window, device) -> compiled pass; a plain attribute, not in the module tree
         object.__setattr__(self, "_compiled", {})
@@ -595,7 +639,7 @@ class SpelModel(nn.Module):
         Ops with ``requires_eager = True`` (they read arrays on the host) turn
         compilation off; going back to the default ops turns it on again.
         """
-        self._ops = DEFAULT_OPS if ops is None else ops
+        self._ops = auto_ops() if ops is None else ops
         self.compile = not getattr(self._ops, "requires_eager", False)
         self._compiled.clear()
 
@@ -705,15 +749,15 @@ class SpelModel(nn.Module):
             if blk.kind == "gdn":
                 blk.mixer.gates(M)
             for lin in (blk.mixer.wqkv, blk.mixer.wo, blk.mlp.w1, blk.mlp.w3, blk.mlp.w2):
-                lin.warm(M)
-        self.lm_head.warm(M)
+                lin.warm(M, blocks=hasattr(ops, "linear"))
+        self.lm_head.warm(M, blocks=hasattr(ops, "linear"))
 
         def one_pass(tokens, pos, gdn_in, kv_in):
             x = self.tok_emb(tokens)
             gdn_out, kv_out, qk = [], [], []
             gi = ai = 0
             for blk in layers:
-                xn = blk.attn_norm(x)
+                xn = _rms_norm(ops, x, blk.attn_norm)
                 if blk.kind == "gdn":
                     out, states, tails, q, k = blk.mixer(xn, gdn_in[2 * gi], gdn_in[2 * gi + 1], ops)
                     gdn_out += states + _rows(tails, M)
@@ -723,8 +767,8 @@ class SpelModel(nn.Module):
                     out, kc, vc = blk.mixer(xn, kv_in[2 * ai], kv_in[2 * ai + 1], pos, window, ops)
                     kv_out += [kc, vc]
                     ai += 1
-                x = blk.ffn(x + out)
-            return self.lm_head(self.final_norm(x)), gdn_out, kv_out, qk
+                x = blk.ffn(x + out, ops)
+            return self.lm_head(_rms_norm(ops, x, self.final_norm), ops), gdn_out, kv_out, qk
 
         return mx.compile(one_pass) if self.compile else one_pass
 

@@ -397,7 +397,8 @@ def test_select_and_describe(monkeypatch):
     monkeypatch.delenv("SPEL_KERNELS", raising=False)
     monkeypatch.setattr(kernels, "_selected", None)
     auto = kernels.resolve()
-    assert auto == ("metal" if kernels.metal_available() else "mlx")
+    from spel_mlx import cpu_ops
+    assert auto == ("metal" if kernels.metal_available() else "cpu" if cpu_ops.available() else "mlx")
     assert kernels.describe().startswith(auto)
     with pytest.raises(ValueError, match="SPEL_KERNELS"):
         kernels.resolve("cuda")

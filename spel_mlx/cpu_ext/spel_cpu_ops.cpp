@@ -1,0 +1,406 @@
+// Fused CPU primitives for the MLX target: one graph node each instead of the
+// 8-30 small MLX ops of MLXOps (spel_mlx/model.py).  On the CPU every MLX node
+// costs a few microseconds of dispatch whatever its size, and a d256 pass has
+// hundreds; these three sequence primitives were half of a K+1 verify pass.
+//
+//   conv(x, tail, conv)            -> u = silu(causal 3-tap conv), tails
+//   delta(q, k, v, a, beta, S0)    -> o (already / sqrt(hd)), every token's state
+//   attend(q, k_cache, v_cache, pos0) -> causal softmax attention, scale sqrt(hd)
+//
+// Shapes and meaning are exactly those of MLXOps.conv_step / delta_rule /
+// attend (see there).  float32 only; inputs may be strided views (read through
+// their strides).  Each primitive runs on the CPU stream's worker thread like
+// MLX's own CPU ops (CommandEncoder::dispatch).  Reference: MLXOps, checked in
+// tests/test_cpu_ops.py against it and against the float64 numpy reference.
+#include <cmath>
+#include <cstdint>
+#include <memory>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include <nanobind/nanobind.h>
+#include <nanobind/stl/vector.h>
+
+#include "mlx/allocator.h"
+#include "mlx/array.h"
+#include "mlx/backend/cpu/encoder.h"
+#include "mlx/primitives.h"
+#include "mlx/stream.h"
+
+// The BLAS MLX itself calls: resolved at load time through the global scope
+// first, where spel_mlx._blas put OpenBLAS (else MLX's bundled reference BLAS).
+extern "C" void cblas_sgemm(int order, int transa, int transb, int m, int n, int k, float alpha,
+                            const float* a, int lda, const float* b, int ldb, float beta, float* c,
+                            int ldc);
+enum { CBLAS_ROW_MAJOR = 101, CBLAS_NO_TRANS = 111 };
+
+namespace nb = nanobind;
+namespace mx = mlx::core;
+
+namespace {
+
+// Element (i, j, k) of a 1- to 3-D array through its strides (in elements).
+struct View {
+  const float* p;
+  int64_t s[3] = {0, 0, 0};
+  View(const mx::array& a) : p(a.data<float>()) {
+    for (size_t i = 0; i < a.ndim() && i < 3; i++) s[i] = a.strides()[i];
+  }
+  float at(int64_t i, int64_t j = 0, int64_t k = 0) const { return p[i * s[0] + j * s[1] + k * s[2]]; }
+};
+
+void check_f32(const mx::array& a, const char* op, const char* what, int ndim) {
+  if (a.dtype() != mx::float32)
+    throw std::invalid_argument(std::string(op) + ": " + what + " must be float32");
+  if (static_cast<int>(a.ndim()) != ndim)
+    throw std::invalid_argument(std::string(op) + ": " + what + " must have " +
+                                std::to_string(ndim) + " dimensions");
+}
+
+void alloc(mx::array& out) { out.set_data(mx::allocator::malloc(out.nbytes())); }
+
+inline float silu(float x) { return x / (1.0f + std::exp(-x)); }
+
+// Dot product with 8 independent partial sums: the compiler keeps them in one
+// vector register (a single running sum is a serial dependency chain and
+// cannot be vectorized without reassociating float adds).
+inline float dot(const float* a, const float* b, int64_t n) {
+  float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8)
+    for (int l = 0; l < 8; l++) acc[l] += a[i + l] * b[i + l];
+  float s = ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
+  for (; i < n; i++) s += a[i] * b[i];
+  return s;
+}
+
+// Row r of a [R, H, hd]-shaped array for head h as a contiguous hd-vector:
+// a pointer into the array when its last stride is 1, else gathered into buf.
+inline const float* head_row(const View& v, int64_t r, int64_t h, int64_t hd, float* buf) {
+  if (v.s[2] == 1) return v.p + r * v.s[0] + h * v.s[1];
+  for (int64_t j = 0; j < hd; j++) buf[j] = v.at(r, h, j);
+  return buf;
+}
+
+// --- conv ------------------------------------------------------------------
+class SpelConv : public mx::Primitive {
+ public:
+  explicit SpelConv(mx::Stream s) : mx::Primitive(s) {}
+  const char* name() const override { return "SpelConv"; }
+  void eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) override {
+    throw std::runtime_error("SpelConv: CPU only");
+  }
+  void eval_cpu(const std::vector<mx::array>& in, std::vector<mx::array>& out) override {
+    alloc(out[0]);
+    alloc(out[1]);
+    auto& enc = mx::cpu::get_command_encoder(stream());
+    for (auto& a : in) enc.set_input_array(a);
+    enc.set_output_array(out[0]);
+    enc.set_output_array(out[1]);
+    enc.dispatch([x = mx::array::unsafe_weak_copy(in[0]), tail = mx::array::unsafe_weak_copy(in[1]),
+                  conv = mx::array::unsafe_weak_copy(in[2]), u = mx::array::unsafe_weak_copy(out[0]),
+                  tails = mx::array::unsafe_weak_copy(out[1])]() mutable {
+      const int64_t M = x.shape(0), d = x.shape(1);
+      View X(x), T(tail), C(conv);
+      float* U = u.data<float>();
+      float* TL = tails.data<float>();
+      // row r of [tail; x]: r < 2 from the tail, else x[r - 2]
+      auto xs = [&](int64_t r, int64_t c) { return r < 2 ? T.at(r, c) : X.at(r - 2, c); };
+      for (int64_t m = 0; m < M; m++) {
+        for (int64_t c = 0; c < d; c++) {
+          float a0 = xs(m, c), a1 = xs(m + 1, c), a2 = xs(m + 2, c);
+          float pre = C.at(0, c) * a0 + C.at(1, c) * a1;
+          pre = pre + C.at(2, c) * a2;
+          U[m * d + c] = silu(pre);
+          TL[(m * 2) * d + c] = a1;
+          TL[(m * 2 + 1) * d + c] = a2;
+        }
+      }
+    });
+  }
+};
+
+// --- gated delta rule -------------------------------------------------------
+class SpelDelta : public mx::Primitive {
+ public:
+  explicit SpelDelta(mx::Stream s) : mx::Primitive(s) {}
+  const char* name() const override { return "SpelDelta"; }
+  void eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) override {
+    throw std::runtime_error("SpelDelta: CPU only");
+  }
+  void eval_cpu(const std::vector<mx::array>& in, std::vector<mx::array>& out) override {
+    alloc(out[0]);
+    alloc(out[1]);
+    auto& enc = mx::cpu::get_command_encoder(stream());
+    for (auto& a : in) enc.set_input_array(a);
+    enc.set_output_array(out[0]);
+    enc.set_output_array(out[1]);
+    enc.dispatch([q = mx::array::unsafe_weak_copy(in[0]), k = mx::array::unsafe_weak_copy(in[1]),
+                  v = mx::array::unsafe_weak_copy(in[2]), a = mx::array::unsafe_weak_copy(in[3]),
+                  beta = mx::array::unsafe_weak_copy(in[4]), S0 = mx::array::unsafe_weak_copy(in[5]),
+                  o = mx::array::unsafe_weak_copy(out[0]),
+                  S_all = mx::array::unsafe_weak_copy(out[1])]() mutable {
+      const int64_t M = q.shape(0), H = q.shape(1), hd = q.shape(2);
+      View Q(q), K(k), V(v), A(a), B(beta), S0v(S0);
+      float* O = o.data<float>();
+      float* SA = S_all.data<float>();
+      const float scale = 1.0f / std::sqrt(static_cast<float>(hd));
+      std::vector<float> kb(hd), qb(hd), vb(hd);
+      for (int64_t h = 0; h < H; h++) {
+        const float ah = A.at(h), bh = B.at(h);
+        for (int64_t t = 0; t < M; t++) {
+          float* St = SA + ((t * H + h) * hd) * hd;                        // S_t [hd, hd]
+          const float* kt = head_row(K, t, h, hd, kb.data());
+          const float* qt = head_row(Q, t, h, hd, qb.data());
+          const float* vt = head_row(V, t, h, hd, vb.data());
+          for (int64_t i = 0; i < hd; i++) {
+            float* row = St + i * hd;
+            if (t) {
+              const float* prow = SA + (((t - 1) * H + h) * hd + i) * hd;
+              for (int64_t j = 0; j < hd; j++) row[j] = prow[j];
+            } else {
+              for (int64_t j = 0; j < hd; j++) row[j] = S0v.at(h, i, j);
+            }
+            const float err = bh * (vt[i] - dot(row, kt, hd));             // beta (v - S k)_i
+            for (int64_t j = 0; j < hd; j++) row[j] = ah * row[j] + err * kt[j];
+            O[(t * H + h) * hd + i] = dot(row, qt, hd) * scale;
+          }
+        }
+      }
+    });
+  }
+};
+
+// --- causal attention ------------------------------------------------------
+class SpelAttend : public mx::Primitive {
+ public:
+  explicit SpelAttend(mx::Stream s) : mx::Primitive(s) {}
+  const char* name() const override { return "SpelAttend"; }
+  void eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) override {
+    throw std::runtime_error("SpelAttend: CPU only");
+  }
+  void eval_cpu(const std::vector<mx::array>& in, std::vector<mx::array>& out) override {
+    alloc(out[0]);
+    auto& enc = mx::cpu::get_command_encoder(stream());
+    for (auto& a : in) enc.set_input_array(a);
+    enc.set_output_array(out[0]);
+    enc.dispatch([q = mx::array::unsafe_weak_copy(in[0]), kc = mx::array::unsafe_weak_copy(in[1]),
+                  vc = mx::array::unsafe_weak_copy(in[2]), pos = mx::array::unsafe_weak_copy(in[3]),
+                  o = mx::array::unsafe_weak_copy(out[0])]() mutable {
+      const int64_t M = q.shape(0), H = q.shape(1), hd = q.shape(2), W = kc.shape(0);
+      const int64_t pos0 = pos.data<int32_t>()[0];
+      View Q(q), Kc(kc), Vc(vc);
+      float* O = o.data<float>();
+      const float scale = std::sqrt(static_cast<float>(hd));
+      std::vector<float> p(W), qb(hd), kb(hd), vb(hd), acc(hd);
+      for (int64_t m = 0; m < M; m++) {
+        int64_t n = pos0 + m + 1;                                          // visible keys
+        if (n > W) n = W;
+        for (int64_t h = 0; h < H; h++) {
+          const float* qt = head_row(Q, m, h, hd, qb.data());
+          float top = -INFINITY;
+          for (int64_t w = 0; w < n; w++) {
+            p[w] = dot(head_row(Kc, w, h, hd, kb.data()), qt, hd) * scale;
+            if (p[w] > top) top = p[w];
+          }
+          float den = 0.0f;
+          for (int64_t w = 0; w < n; w++) {
+            p[w] = std::exp(p[w] - top);
+            den += p[w];
+          }
+          for (int64_t j = 0; j < hd; j++) acc[j] = 0.0f;
+          for (int64_t w = 0; w < n; w++) {
+            const float* vr = head_row(Vc, w, h, hd, vb.data());
+            const float pw = p[w];
+            for (int64_t j = 0; j < hd; j++) acc[j] += pw * vr[j];
+          }
+          const float inv = 1.0f / den;
+          for (int64_t j = 0; j < hd; j++) O[(m * H + h) * hd + j] = acc[j] * inv;
+        }
+      }
+    });
+  }
+};
+
+
+// --- row-wise elementwise: RMSNorm, SwiGLU gate --------------------------------
+// 2^f on [0, 1) and the Cody-Waite split of ln 2: the constants of model.silu_mul
+const float EXP2_FRACTION[7] = {0.00021683440718334168f, 0.0012437936384230852f, 0.009679987095296383f,
+                                0.05548214912414551f, 0.24023030698299408f, 0.6931468844413757f, 1.0f};
+const float LOG2E = 1.4426950408889634f, LN2_HI = 0.693145751953125f, LN2_LO = 1.428606765330187e-06f;
+
+// silu(a) * b = a b / (1 + e^-a), e^-a = 2^n poly(f): the formula of model.silu_mul
+inline float silu_mul1(float a, float b) {
+  float t = a * -LOG2E;
+  t = t < -126.0f ? -126.0f : (t > 126.0f ? 126.0f : t);
+  const float n = std::floor(t);
+  const float r = (-a - n * LN2_HI) - n * LN2_LO;
+  float f = r * LOG2E;
+  f = f < 0.0f ? 0.0f : (f > 1.0f ? 1.0f : f);
+  float p = EXP2_FRACTION[0];
+  for (int i = 1; i < 7; i++) p = p * f + EXP2_FRACTION[i];
+  union { int32_t i; float f; } two_n;
+  two_n.i = (static_cast<int32_t>(n) + 127) << 23;
+  return (a * b) / (1.0f + p * two_n.f);
+}
+
+class SpelRowwise : public mx::Primitive {
+ public:
+  enum Kind { RMS_NORM, SILU_MUL };
+  SpelRowwise(mx::Stream s, Kind kind, float eps) : mx::Primitive(s), kind_(kind), eps_(eps) {}
+  const char* name() const override { return kind_ == RMS_NORM ? "SpelRMSNorm" : "SpelSiluMul"; }
+  bool is_equivalent(const mx::Primitive& other) const override {
+    auto& o = static_cast<const SpelRowwise&>(other);
+    return kind_ == o.kind_ && eps_ == o.eps_;
+  }
+  void eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) override {
+    throw std::runtime_error("SpelRowwise: CPU only");
+  }
+  void eval_cpu(const std::vector<mx::array>& in, std::vector<mx::array>& out) override {
+    alloc(out[0]);
+    auto& enc = mx::cpu::get_command_encoder(stream());
+    for (auto& a : in) enc.set_input_array(a);
+    enc.set_output_array(out[0]);
+    enc.dispatch([x = mx::array::unsafe_weak_copy(in[0]), w = mx::array::unsafe_weak_copy(in[1]),
+                  y = mx::array::unsafe_weak_copy(out[0]), kind = kind_, eps = eps_]() mutable {
+      const int64_t R = x.shape(0), d = x.shape(1);
+      View X(x), Wv(w);
+      float* Y = y.data<float>();
+      std::vector<float> xb(d), wb(d);
+      for (int64_t r = 0; r < R; r++) {
+        for (int64_t c = 0; c < d; c++) xb[c] = X.at(r, c);
+        float* yr = Y + r * d;
+        if (kind == RMS_NORM) {
+          const float ms = dot(xb.data(), xb.data(), d) / static_cast<float>(d);
+          const float inv = 1.0f / std::sqrt(ms + eps);
+          for (int64_t c = 0; c < d; c++) yr[c] = Wv.at(c) * (xb[c] * inv);
+        } else {
+          for (int64_t c = 0; c < d; c++) yr[c] = silu_mul1(xb[c], Wv.at(r, c));
+        }
+      }
+    });
+  }
+
+ private:
+  Kind kind_;
+  float eps_;
+};
+
+// --- linear: x @ W^T from the contiguous row blocks of model.Linear ------------
+// One node (and one sgemm per block, as MLX's batched matmul makes) writing the
+// [M, out] result in place: no broadcast of x, no reshape or transposed copy.
+class SpelLinear : public mx::Primitive {
+ public:
+  explicit SpelLinear(mx::Stream s) : mx::Primitive(s) {}
+  const char* name() const override { return "SpelLinear"; }
+  void eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) override {
+    throw std::runtime_error("SpelLinear: CPU only");
+  }
+  void eval_cpu(const std::vector<mx::array>& in, std::vector<mx::array>& out) override {
+    alloc(out[0]);
+    auto& enc = mx::cpu::get_command_encoder(stream());
+    for (auto& a : in) enc.set_input_array(a);
+    enc.set_output_array(out[0]);
+    enc.dispatch([x = mx::array::unsafe_weak_copy(in[0]), wb = mx::array::unsafe_weak_copy(in[1]),
+                  y = mx::array::unsafe_weak_copy(out[0])]() mutable {
+      const int64_t M = x.shape(0), d_in = x.shape(1);
+      const int64_t nb = wb.shape(0), rb = wb.shape(2), d_out = nb * rb;
+      std::vector<float> xc;
+      const float* X = x.data<float>();
+      if (!(x.strides()[1] == 1 && x.strides()[0] == d_in)) {          // gather a strided x
+        View V(x);
+        xc.resize(M * d_in);
+        for (int64_t m = 0; m < M; m++)
+          for (int64_t c = 0; c < d_in; c++) xc[m * d_in + c] = V.at(m, c);
+        X = xc.data();
+      }
+      const float* Wp = wb.data<float>();
+      float* Y = y.data<float>();
+      for (int64_t b = 0; b < nb; b++)
+        cblas_sgemm(CBLAS_ROW_MAJOR, CBLAS_NO_TRANS, CBLAS_NO_TRANS, M, rb, d_in, 1.0f, X, d_in,
+                    Wp + b * d_in * rb, rb, 0.0f, Y + b * rb, d_out);
+    });
+  }
+};
+
+mx::Stream cpu_stream() { return mx::default_stream(mx::Device::cpu); }
+
+std::vector<mx::array> conv(const mx::array& x, const mx::array& tail, const mx::array& conv_w) {
+  check_f32(x, "conv", "x", 2);
+  check_f32(tail, "conv", "tail", 2);
+  check_f32(conv_w, "conv", "conv", 2);
+  const int M = x.shape(0), d = x.shape(1);
+  if (tail.shape(0) != 2 || tail.shape(1) != d || conv_w.shape(0) != 3 || conv_w.shape(1) != d)
+    throw std::invalid_argument("conv: expected tail [2, d] and conv [3, d] for x [M, d]");
+  return mx::array::make_arrays({{M, d}, {M, 2, d}}, {mx::float32, mx::float32},
+                                std::make_shared<SpelConv>(cpu_stream()), {x, tail, conv_w});
+}
+
+std::vector<mx::array> delta(const mx::array& q, const mx::array& k, const mx::array& v,
+                             const mx::array& a, const mx::array& beta, const mx::array& S0) {
+  for (auto* t : {&q, &k, &v}) check_f32(*t, "delta", "q, k and v", 3);
+  check_f32(a, "delta", "a", 1);
+  check_f32(beta, "delta", "beta", 1);
+  check_f32(S0, "delta", "S0", 3);
+  const int M = q.shape(0), H = q.shape(1), hd = q.shape(2);
+  if (k.shape() != q.shape() || v.shape() != q.shape() || a.shape(0) != H || beta.shape(0) != H ||
+      S0.shape(0) != H || S0.shape(1) != hd || S0.shape(2) != hd)
+    throw std::invalid_argument("delta: expected q, k, v [M, H, hd], a and beta [H], S0 [H, hd, hd]");
+  return mx::array::make_arrays({{M, H, hd}, {M, H, hd, hd}}, {mx::float32, mx::float32},
+                                std::make_shared<SpelDelta>(cpu_stream()), {q, k, v, a, beta, S0});
+}
+
+mx::array attend(const mx::array& q, const mx::array& k_cache, const mx::array& v_cache,
+                 const mx::array& pos0) {
+  check_f32(q, "attend", "q", 3);
+  check_f32(k_cache, "attend", "k_cache", 3);
+  check_f32(v_cache, "attend", "v_cache", 3);
+  if (pos0.dtype() != mx::int32 || pos0.size() != 1)
+    throw std::invalid_argument("attend: pos0 must be one int32");
+  if (k_cache.shape() != v_cache.shape() || k_cache.shape(1) != q.shape(1) || k_cache.shape(2) != q.shape(2))
+    throw std::invalid_argument("attend: expected q [M, H, hd] and caches [W, H, hd]");
+  return mx::array(q.shape(), mx::float32, std::make_shared<SpelAttend>(cpu_stream()),
+                   {q, k_cache, v_cache, pos0});
+}
+
+mx::array rms_norm(const mx::array& x, const mx::array& w, float eps) {
+  check_f32(x, "rms_norm", "x", 2);
+  check_f32(w, "rms_norm", "weight", 1);
+  if (w.shape(0) != x.shape(1)) throw std::invalid_argument("rms_norm: weight [d] for x [R, d]");
+  return mx::array(x.shape(), mx::float32,
+                   std::make_shared<SpelRowwise>(cpu_stream(), SpelRowwise::RMS_NORM, eps), {x, w});
+}
+
+mx::array silu_mul(const mx::array& a, const mx::array& b) {
+  check_f32(a, "silu_mul", "a", 2);
+  check_f32(b, "silu_mul", "b", 2);
+  if (a.shape() != b.shape()) throw std::invalid_argument("silu_mul: a and b differ in shape");
+  return mx::array(a.shape(), mx::float32,
+                   std::make_shared<SpelRowwise>(cpu_stream(), SpelRowwise::SILU_MUL, 0.0f), {a, b});
+}
+
+mx::array linear(const mx::array& x, const mx::array& blocks) {
+  check_f32(x, "linear", "x", 2);
+  check_f32(blocks, "linear", "weight blocks", 3);
+  if (blocks.shape(1) != x.shape(1))
+    throw std::invalid_argument("linear: weight blocks [nb, in, rb] for x [M, in]");
+  if (!blocks.flags().row_contiguous)
+    throw std::invalid_argument("linear: the weight blocks must be a contiguous (evaluated) array");
+  return mx::array({x.shape(0), blocks.shape(0) * blocks.shape(2)}, mx::float32,
+                   std::make_shared<SpelLinear>(cpu_stream()), {x, blocks});
+}
+
+}  // namespace
+
+NB_MODULE(_spel_cpu, m) {
+  m.doc() = "Fused CPU primitives of spel_mlx (see spel_mlx/cpu_ops.py)";
+  m.attr("mlx_version") = SPEL_MLX_VERSION;   // the MLX whose headers built this module
+  m.def("conv", &conv, nb::arg("x"), nb::arg("tail"), nb::arg("conv"));
+  m.def("delta", &delta, nb::arg("q"), nb::arg("k"), nb::arg("v"), nb::arg("a"), nb::arg("beta"),
+        nb::arg("S0"));
+  m.def("linear", &linear, nb::arg("x"), nb::arg("blocks"));
+  m.def("rms_norm", &rms_norm, nb::arg("x"), nb::arg("weight"), nb::arg("eps"));
+  m.def("silu_mul", &silu_mul, nb::arg("a"), nb::arg("b"));
+  m.def("attend", &attend, nb::arg("q"), nb::arg("k_cache"), nb::arg("v_cache"), nb::arg("pos0"));
+}

@@ -1,0 +1,75 @@
+"""Fused CPU primitives as the model's ``ops`` (spel_mlx.model.MLXOps contract).
+
+``spel_mlx._spel_cpu`` (C++ in spel_mlx/cpu_ext/, built by setup.py against the
+installed MLX) adds MLX primitives that run on the CPU stream: the causal
+conv + SiLU, the gated delta rule over M tokens (every token's state, for the
+rollback ring), causal attention of M queries, RMSNorm and the SwiGLU gate.
+Each is one graph node where MLXOps spends 3-30 small ones, and on the CPU every node costs microseconds of
+dispatch: see docs/model.md for the measured passes.  Used on the CPU device by
+``spel_mlx.kernels.select`` when the module is built for the running MLX
+version; MLXOps stays the reference (tests/test_cpu_ops.py).
+"""
+from __future__ import annotations
+
+from .model import MLXOps, _rows
+
+import mlx.core as mx  # noqa: E402
+
+try:
+    from . import _spel_cpu
+    _IMPORT_ERROR = ""
+except ImportError as e:          # not built (no compiler at install, non-Linux)
+    _spel_cpu = None
+    _IMPORT_ERROR = str(e)
+
+
+def status() -> tuple:
+    """(usable, reason): the module is importable and built for this MLX."""
+    if _spel_cpu is None:
+        return False, f"spel_mlx._spel_cpu is not built ({_IMPORT_ERROR})"
+    if _spel_cpu.mlx_version != mx.__version__:
+        return False, (f"spel_mlx._spel_cpu was built for MLX {_spel_cpu.mlx_version}, "
+                       f"MLX {mx.__version__} is running (reinstall spel-mlx to rebuild it)")
+    return True, "built for MLX " + _spel_cpu.mlx_version
+
+
+def available() -> bool:
+    return status()[0]
+
+
+class CPUFusedOps(MLXOps):
+    """MLXOps with the conv, delta rule and attention as single CPU primitives."""
+
+    name = "cpu-fused"
+
+    def __init__(self):
+        ok, why = status()
+        if not ok:
+            raise RuntimeError(why)
+
+    def linear(self, x, blocks):
+        """x [M,in] @ W^T from Linear's contiguous [nb, in, rb] blocks."""
+        return _spel_cpu.linear(x, blocks)
+
+    def rms_norm(self, x, weight, eps: float):
+        return _spel_cpu.rms_norm(x, weight, float(eps))
+
+    def silu_mul(self, a, b):
+        return _spel_cpu.silu_mul(a, b)
+
+    def conv_step(self, x, tail, conv):
+        u, tails = _spel_cpu.conv(x, tail, conv)
+        return u, tails
+
+    def delta_rule(self, q, k, v, a, beta, S0):
+        o, S_all = _spel_cpu.delta(q, k, v, a, beta, S0)
+        return o, S_all
+
+    def delta_rule_states(self, q, k, v, a, beta, S0, gates=None):
+        o, S_all = _spel_cpu.delta(q, k, v, a, beta, S0)
+        return o, _rows(S_all, q.shape[0])
+
+    def attend(self, q, k_cache, v_cache, pos0, M):
+        if not isinstance(pos0, mx.array):
+            pos0 = mx.array(pos0, dtype=mx.int32)
+        return _spel_cpu.attend(q, k_cache, v_cache, pos0.astype(mx.int32))

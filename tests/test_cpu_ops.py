@@ -1,0 +1,200 @@
+"""The fused CPU primitives (spel_mlx._spel_cpu via spel_mlx.cpu_ops) against
+MLXOps and the float64 numpy reference, alone and inside the model."""
+import os
+
+import numpy as np
+import pytest
+
+import spel_mlx  # noqa: F401  (BLAS before mlx)
+import mlx.core as mx
+from spel_mlx import cpu_ops
+from spel_mlx import model as model_mod
+from spel_mlx.config import ModelConfig
+from spel_mlx.model import MLXOps, SpelModel, init_weights, l2_normalize, silu_mul
+
+from reference import forward_reference
+
+if os.environ.get("SPEL_REQUIRE_CPU_EXT") != "1" and not cpu_ops.available():
+    pytest.skip("spel_mlx._spel_cpu not built: " + cpu_ops.status()[1], allow_module_level=True)
+
+REF = MLXOps()
+
+
+def test_built_for_this_mlx():
+    ok, why = cpu_ops.status()
+    assert ok, why
+    assert isinstance(model_mod.auto_ops(), cpu_ops.CPUFusedOps)
+
+
+@pytest.fixture(scope="module")
+def ops():
+    return cpu_ops.CPUFusedOps()
+
+
+def _rand(shape, seed, scale=1.0):
+    return mx.array(np.random.default_rng(seed).standard_normal(shape).astype(np.float32) * scale)
+
+
+def _diff(a, b):
+    return float(mx.abs(a - b).max())
+
+
+@pytest.mark.parametrize("M,H,hd", [(1, 4, 64), (5, 2, 32), (17, 3, 30)])
+def test_delta_rule_matches_mlx_ops_and_float64(ops, M, H, hd):
+    q, k = l2_normalize(_rand((M, H, hd), 1)), l2_normalize(_rand((M, H, hd), 2))
+    v = _rand((M, H, hd), 3)
+    a, beta = mx.sigmoid(_rand((H,), 4)), mx.sigmoid(_rand((H,), 5))
+    S0 = _rand((H, hd, hd), 6, 0.3)
+    o, S_all = ops.delta_rule(q, k, v, a, beta, S0)
+    o_ref, S_ref = REF.delta_rule_loop(q, k, v, a, beta, S0)
+    assert o.shape == (M, H, hd) and S_all.shape == (M, H, hd, hd)
+    assert _diff(o, o_ref) < 1e-5 and _diff(S_all, S_ref) < 1e-5
+    # float64 recurrence
+    qn, kn, vn, an, bn, S = (np.asarray(t, np.float64) for t in (q, k, v, a, beta, S0))
+    for t in range(M):
+        for h in range(H):
+            S[h] = an[h] * S[h] + bn[h] * np.outer(vn[t, h] - S[h] @ kn[t, h], kn[t, h])
+            assert np.abs(np.asarray(o)[t, h] - S[h] @ qn[t, h] / np.sqrt(hd)).max() < 1e-5
+        assert np.abs(np.asarray(S_all)[t] - S).max() < 1e-5
+    # the states list of the model's pass: the same arrays, row by row
+    o2, states = ops.delta_rule_states(q, k, v, a, beta, S0)
+    assert len(states) == M and all(_diff(s, S_all[j]) == 0 for j, s in enumerate(states))
+
+
+def test_delta_rule_reads_strided_inputs(ops):
+    M, H, hd = 5, 2, 32
+    qkv = _rand((M, 3, H, hd), 8)
+    qk = l2_normalize(qkv[:, 0:2])
+    q, k, v = qk[:, 0], qk[:, 1], qkv[:, 2]              # views with row strides 3*H*hd
+    a, beta, S0 = mx.sigmoid(_rand((H,), 9)), mx.sigmoid(_rand((H,), 10)), _rand((H, hd, hd), 11, 0.3)
+    got = ops.delta_rule(q, k, v, a, beta, S0)
+    want = REF.delta_rule_loop(mx.contiguous(q), mx.contiguous(k), mx.contiguous(v), a, beta, S0)
+    assert _diff(got[0], want[0]) < 1e-5 and _diff(got[1], want[1]) < 1e-5
+
+
+@pytest.mark.parametrize("M", [1, 5])
+def test_conv_matches_mlx_ops(ops, M):
+    d = 100
+    x, tail, conv = _rand((M, d), 1), _rand((2, d), 2), _rand((3, d), 3)
+    u, tails = ops.conv_step(x, tail, conv)
+    u_ref, tails_ref = REF.conv_step(x, tail, conv)
+    assert _diff(u, u_ref) < 1e-6 and _diff(tails, tails_ref) == 0
+
+
+@pytest.mark.parametrize("M,pos0,W", [(1, 0, 64), (5, 37, 64), (5, 123, 128), (17, 400, 512)])
+def test_attend_matches_mlx_ops_and_masks_the_future(ops, M, pos0, W):
+    H, hd = 3, 32
+    q = l2_normalize(_rand((M, H, hd), 1))
+    kc, vc = l2_normalize(_rand((W, H, hd), 2)), _rand((W, H, hd), 3)
+    pos = mx.array(pos0, dtype=mx.int32)
+    got = ops.attend(q, kc, vc, pos, M)
+    assert _diff(got, REF.attend(q, kc, vc, pos, M)) < 1e-5
+    assert _diff(ops.attend(q, kc, vc, pos0, M), got) == 0          # int position too
+    if pos0 + M < W:                                                  # rows past the last query
+        kc2 = mx.concatenate([kc[:pos0 + M], kc[pos0 + M:] + 5.0])
+        assert _diff(ops.attend(q, kc2, vc, pos, M), got) == 0
+
+
+def test_rms_norm_and_gate(ops):
+    x, w = _rand((5, 256), 1, 3.0), _rand((256,), 2)
+    assert _diff(ops.rms_norm(x, w, 1e-5), mx.fast.rms_norm(x, w, 1e-5)) < 2e-6
+    a, b = _rand((5, 768), 3, 10.0), _rand((5, 768), 4)
+    assert _diff(ops.silu_mul(a, b), silu_mul(a, b)) == 0             # the same formula, bit for bit
+    a64 = np.asarray(a, np.float64)
+    want = a64 / (1 + np.exp(-a64)) * np.asarray(b, np.float64)
+    assert np.abs(np.asarray(ops.silu_mul(a, b)) - want).max() < 1e-5 * max(1.0, np.abs(want).max())
+
+
+@pytest.mark.parametrize("rows,rb,M", [(192, 64, 1), (192, 64, 5), (192, 32, 9), (48, None, 3)])
+def test_linear_from_row_blocks(ops, rows, rb, M):
+    lin = model_mod.Linear(64, rows)
+    lin.warm(M, blocks=True)
+    x = _rand((M, 64), 5)
+    W = np.asarray(lin.weight, np.float64)
+    blocks = lin.weight_view(rb) if rb else None
+    b3 = lin._views[1][("3d", model_mod._row_block(rows, 64, M))]
+    assert b3.shape[0] * b3.shape[2] == rows
+    if blocks is not None:
+        assert b3.shape == (rows // rb, 64, rb)
+    got = ops.linear(x, b3)
+    assert got.shape == (M, rows)
+    assert np.abs(np.asarray(got) - np.asarray(x, np.float64) @ W.T).max() < 1e-5
+    xs = _rand((M, 2, 64), 6)[:, 1]                                   # a strided x
+    assert np.abs(np.asarray(ops.linear(xs, b3)) - np.asarray(xs, np.float64) @ W.T).max() < 1e-5
+
+
+def test_inside_mx_compile(ops):
+    M, H, hd = 5, 2, 32
+    q, k, v = (l2_normalize(_rand((M, H, hd), s)) for s in (1, 2, 3))
+    a, beta, S0 = mx.sigmoid(_rand((H,), 4)), mx.sigmoid(_rand((H,), 5)), _rand((H, hd, hd), 6, 0.3)
+    f = mx.compile(lambda q, k, v, S0: ops.delta_rule(q, k, v, a, beta, S0))
+    for x, y in zip(f(q, k, v, S0), ops.delta_rule(q, k, v, a, beta, S0)):
+        assert _diff(x, y) == 0
+
+
+def test_bad_input_is_a_clear_error(ops):
+    from spel_mlx import _spel_cpu as E
+    with pytest.raises(ValueError, match="float32"):
+        E.delta(*(mx.zeros((2, 2, 4), mx.float16),) * 3, mx.zeros((2,)), mx.zeros((2,)), mx.zeros((2, 4, 4)))
+    with pytest.raises(ValueError, match=r"S0 \[H, hd, hd\]"):
+        E.delta(*(mx.zeros((2, 2, 4)),) * 3, mx.zeros((2,)), mx.zeros((2,)), mx.zeros((2, 4, 5)))
+    with pytest.raises(ValueError, match="pos0"):
+        E.attend(mx.zeros((1, 2, 4)), mx.zeros((8, 2, 4)), mx.zeros((8, 2, 4)), mx.array(1.0))
+    with pytest.raises(ValueError, match="weight blocks"):
+        E.linear(mx.zeros((1, 8)), mx.zeros((2, 4, 8)))
+
+
+def test_wrong_mlx_version_falls_back(monkeypatch):
+    monkeypatch.setattr(cpu_ops._spel_cpu, "mlx_version", "0.0.1")
+    ok, why = cpu_ops.status()
+    assert not ok and "built for MLX 0.0.1" in why
+    assert type(model_mod.auto_ops()) is MLXOps
+    with pytest.raises(RuntimeError, match="built for MLX 0.0.1"):
+        cpu_ops.CPUFusedOps()
+
+
+# ---- inside the model ---------------------------------------------------------------
+CFG = ModelConfig(d_model=128, n_layers=4, n_heads=2, head_dim=64, d_ff=192, vocab=96,
+                  max_seq=200, attn_period=2, draft_map=(0, 1), spec_k=4)
+
+
+@pytest.fixture(scope="module")
+def models():
+    w = init_weights(CFG, seed=3)
+    fused = SpelModel.from_weights(CFG, w)
+    fused.set_ops(cpu_ops.CPUFusedOps())
+    plain = SpelModel.from_weights(CFG, w)
+    plain.set_ops(MLXOps())
+    return w, fused, plain
+
+
+def _decode(model, toks, strict, batch):
+    st, out = model.new_state(ring=10), []
+    for i in range(0, len(toks), batch):
+        out.append(np.array(model.forward(toks[i:i + batch], st, strict=strict)))
+        st.commit(len(toks[i:i + batch]))
+    return np.concatenate(out)
+
+
+@pytest.mark.parametrize("strict,batch", [(True, 1), (False, 5), (True, 5), (False, 9)])
+def test_model_with_fused_ops_matches_reference(models, strict, batch):
+    w, fused, plain = models
+    toks = np.random.default_rng(1).integers(0, CFG.vocab, 90)
+    ref = forward_reference(CFG, w, toks)
+    got = _decode(fused, toks, strict, batch)
+    assert np.abs(ref).max() > 1.0
+    assert np.abs(got - ref).max() < 1e-4
+    assert np.abs(got - _decode(plain, toks, strict, batch)).max() < 1e-4
+
+
+def test_fused_strict_batches_are_bit_identical_and_rollback_is_exact(models):
+    _, fused, _ = models
+    toks = np.random.default_rng(2).integers(0, CFG.vocab, 40)
+    seq = _decode(fused, toks, True, 1)
+    assert np.array_equal(_decode(fused, toks, True, 5), seq)
+    st = fused.new_state()
+    fused.prefill(toks[:20].tolist(), st)
+    fused.forward(toks[20:25], st)          # a verify batch, then keep 2 of it
+    st.commit(2)
+    got = np.array(fused.forward(toks[22:27], st, strict=True))
+    assert np.array_equal(got, seq[22:27])
