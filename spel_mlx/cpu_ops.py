@@ -69,6 +69,11 @@ class CPUFusedOps(MLXOps):
         o, S_all = _spel_cpu.delta(q, k, v, a, beta, S0)
         return o, _rows(S_all, q.shape[0])
 
+    def gdn_delta(self, qkv, a, beta, S0):
+        """Optional fused GDN core: qkv [M, 3*H*hd] (the wqkv projection) -> o, S_all,
+        unit q, unit k (L2 norm + delta_rule in one node)."""
+        return _spel_cpu.gdn_delta(qkv, a, beta, S0)
+
     def attend(self, q, k_cache, v_cache, pos0, M):
         if not isinstance(pos0, mx.array):
             pos0 = mx.array(pos0, dtype=mx.int32)

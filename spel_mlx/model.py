@@ -477,8 +477,12 @@ class GatedDeltaNet(nn.Module):
     def __call__(self, x, S0, tail, ops):
         """x [M,d] normed input.  Returns out [M,d], the M states [H,hd,hd], tails, q, k."""
         u, tails = ops.conv_step(x, tail, self.conv)
-        q, k, v = self.qkv(u, ops)
         g = self.gates(x.shape[0])
+        fused = getattr(ops, "gdn_delta", None)
+        if fused is not None:     # L2 norm + delta rule from the raw projection, one node
+            o, S_all, q, k = fused(self.wqkv(u, ops), g["a"], g["b"], S0)
+            return self.wo(o.reshape(x.shape[0], -1), ops), _rows(S_all, x.shape[0]), tails, q, k
+        q, k, v = self.qkv(u, ops)
         if hasattr(ops, "delta_rule_states"):
             o, states = ops.delta_rule_states(q, k, v, g["a"], g["b"], S0, gates=g["chunk"])
         else:

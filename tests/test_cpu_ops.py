@@ -61,6 +61,19 @@ def test_delta_rule_matches_mlx_ops_and_float64(ops, M, H, hd):
     assert len(states) == M and all(_diff(s, S_all[j]) == 0 for j, s in enumerate(states))
 
 
+def test_gdn_delta_fuses_the_l2_norm(ops):
+    """From the raw wqkv projection: unit q, k (model.l2_normalize) and the delta rule."""
+    M, H, hd = 5, 4, 64
+    qkv = _rand((M, 3 * H * hd), 7, 2.0)
+    a, beta, S0 = mx.sigmoid(_rand((H,), 8)), mx.sigmoid(_rand((H,), 9)), _rand((H, hd, hd), 10, 0.3)
+    o, S_all, q, k = ops.gdn_delta(qkv, a, beta, S0)
+    parts = qkv.reshape(M, 3, H, hd)
+    qn, kn = l2_normalize(parts[:, 0]), l2_normalize(parts[:, 1])
+    assert _diff(q, qn) < 1e-6 and _diff(k, kn) < 1e-6
+    o_ref, S_ref = REF.delta_rule_loop(qn, kn, parts[:, 2], a, beta, S0)
+    assert _diff(o, o_ref) < 1e-5 and _diff(S_all, S_ref) < 1e-5
+
+
 def test_delta_rule_reads_strided_inputs(ops):
     M, H, hd = 5, 2, 32
     qkv = _rand((M, 3, H, hd), 8)

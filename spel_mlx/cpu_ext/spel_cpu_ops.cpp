@@ -122,54 +122,101 @@ class SpelConv : public mx::Primitive {
 };
 
 // --- gated delta rule -------------------------------------------------------
+// The recurrence of one head over M tokens, from S0 (or the previous token's
+// state in S_all): S_t = a S + beta (v - S k) k^T, o_t = S_t q / sqrt(hd).
+void delta_head(const float* S0, float* SA, float* O, int64_t M, int64_t H, int64_t h, int64_t hd,
+                float ah, float bh, const float* const* q, const float* const* k,
+                const float* const* v, const View* S0v) {
+  const float scale = 1.0f / std::sqrt(static_cast<float>(hd));
+  for (int64_t t = 0; t < M; t++) {
+    float* St = SA + ((t * H + h) * hd) * hd;                              // S_t [hd, hd]
+    for (int64_t i = 0; i < hd; i++) {
+      float* row = St + i * hd;
+      if (t) {
+        const float* prow = SA + (((t - 1) * H + h) * hd + i) * hd;
+        for (int64_t j = 0; j < hd; j++) row[j] = prow[j];
+      } else if (S0) {
+        for (int64_t j = 0; j < hd; j++) row[j] = S0[i * hd + j];
+      } else {
+        for (int64_t j = 0; j < hd; j++) row[j] = S0v->at(h, i, j);
+      }
+      const float err = bh * (v[t][i] - dot(row, k[t], hd));              // beta (v - S k)_i
+      for (int64_t j = 0; j < hd; j++) row[j] = ah * row[j] + err * k[t][j];
+      O[(t * H + h) * hd + i] = dot(row, q[t], hd) * scale;
+    }
+  }
+}
+
+// Inputs q, k, v [M,H,hd] (q, k unit), a, beta [H], S0 [H,hd,hd]; outputs o, S_all.
+// With raw=true the inputs are qkv [M, 3*H*hd] (the wqkv projection), a, beta, S0
+// and q, k are L2-normalized here (x / sqrt(sum x^2 + 1e-6), model.l2_normalize);
+// the unit q and k are two more outputs (what NoteBank captures).
 class SpelDelta : public mx::Primitive {
  public:
-  explicit SpelDelta(mx::Stream s) : mx::Primitive(s) {}
-  const char* name() const override { return "SpelDelta"; }
+  SpelDelta(mx::Stream s, bool raw) : mx::Primitive(s), raw_(raw) {}
+  const char* name() const override { return raw_ ? "SpelGDNDelta" : "SpelDelta"; }
+  bool is_equivalent(const mx::Primitive& other) const override {
+    return raw_ == static_cast<const SpelDelta&>(other).raw_;
+  }
   void eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) override {
     throw std::runtime_error("SpelDelta: CPU only");
   }
   void eval_cpu(const std::vector<mx::array>& in, std::vector<mx::array>& out) override {
-    alloc(out[0]);
-    alloc(out[1]);
+    for (auto& o : out) alloc(o);
     auto& enc = mx::cpu::get_command_encoder(stream());
     for (auto& a : in) enc.set_input_array(a);
-    enc.set_output_array(out[0]);
-    enc.set_output_array(out[1]);
-    enc.dispatch([q = mx::array::unsafe_weak_copy(in[0]), k = mx::array::unsafe_weak_copy(in[1]),
-                  v = mx::array::unsafe_weak_copy(in[2]), a = mx::array::unsafe_weak_copy(in[3]),
-                  beta = mx::array::unsafe_weak_copy(in[4]), S0 = mx::array::unsafe_weak_copy(in[5]),
-                  o = mx::array::unsafe_weak_copy(out[0]),
-                  S_all = mx::array::unsafe_weak_copy(out[1])]() mutable {
-      const int64_t M = q.shape(0), H = q.shape(1), hd = q.shape(2);
-      View Q(q), K(k), V(v), A(a), B(beta), S0v(S0);
-      float* O = o.data<float>();
-      float* SA = S_all.data<float>();
-      const float scale = 1.0f / std::sqrt(static_cast<float>(hd));
-      std::vector<float> kb(hd), qb(hd), vb(hd);
+    for (auto& o : out) enc.set_output_array(o);
+    std::vector<mx::array> ins, outs;
+    for (auto& a : in) ins.push_back(mx::array::unsafe_weak_copy(a));
+    for (auto& o : out) outs.push_back(mx::array::unsafe_weak_copy(o));
+    enc.dispatch([ins = std::move(ins), outs = std::move(outs), raw = raw_]() mutable {
+      const int64_t M = outs[0].shape(0), H = outs[0].shape(1), hd = outs[0].shape(2);
+      const int n_in = raw ? 1 : 3;
+      View A(ins[n_in]), B(ins[n_in + 1]), S0v(ins[n_in + 2]);
+      float* O = outs[0].data<float>();
+      float* SA = outs[1].data<float>();
+      // contiguous per-token rows of q, k, v for each head
+      std::vector<float> buf(3 * M * hd);
+      std::vector<const float*> qp(M), kp(M), vp(M);
       for (int64_t h = 0; h < H; h++) {
-        const float ah = A.at(h), bh = B.at(h);
         for (int64_t t = 0; t < M; t++) {
-          float* St = SA + ((t * H + h) * hd) * hd;                        // S_t [hd, hd]
-          const float* kt = head_row(K, t, h, hd, kb.data());
-          const float* qt = head_row(Q, t, h, hd, qb.data());
-          const float* vt = head_row(V, t, h, hd, vb.data());
-          for (int64_t i = 0; i < hd; i++) {
-            float* row = St + i * hd;
-            if (t) {
-              const float* prow = SA + (((t - 1) * H + h) * hd + i) * hd;
-              for (int64_t j = 0; j < hd; j++) row[j] = prow[j];
-            } else {
-              for (int64_t j = 0; j < hd; j++) row[j] = S0v.at(h, i, j);
+          float* qb = buf.data() + (3 * t) * hd;
+          float* kb = qb + hd;
+          float* vb = kb + hd;
+          if (raw) {
+            View X(ins[0]);
+            for (int64_t j = 0; j < hd; j++) {
+              qb[j] = X.at(t, h * hd + j);
+              kb[j] = X.at(t, (H + h) * hd + j);
+              vb[j] = X.at(t, (2 * H + h) * hd + j);
             }
-            const float err = bh * (vt[i] - dot(row, kt, hd));             // beta (v - S k)_i
-            for (int64_t j = 0; j < hd; j++) row[j] = ah * row[j] + err * kt[j];
-            O[(t * H + h) * hd + i] = dot(row, qt, hd) * scale;
+            const float qi = 1.0f / std::sqrt(dot(qb, qb, hd) + 1e-6f);
+            const float ki = 1.0f / std::sqrt(dot(kb, kb, hd) + 1e-6f);
+            float* qo = outs[2].data<float>() + (t * H + h) * hd;
+            float* ko = outs[3].data<float>() + (t * H + h) * hd;
+            for (int64_t j = 0; j < hd; j++) {
+              qo[j] = qb[j] *= qi;
+              ko[j] = kb[j] *= ki;
+            }
+          } else {
+            View Q(ins[0]), K(ins[1]), V(ins[2]);
+            for (int64_t j = 0; j < hd; j++) {
+              qb[j] = Q.at(t, h, j);
+              kb[j] = K.at(t, h, j);
+              vb[j] = V.at(t, h, j);
+            }
           }
+          qp[t] = qb;
+          kp[t] = kb;
+          vp[t] = vb;
         }
+        delta_head(nullptr, SA, O, M, H, h, hd, A.at(h), B.at(h), qp.data(), kp.data(), vp.data(), &S0v);
       }
     });
   }
+
+ private:
+  bool raw_;
 };
 
 // --- causal attention ------------------------------------------------------
@@ -348,7 +395,21 @@ std::vector<mx::array> delta(const mx::array& q, const mx::array& k, const mx::a
       S0.shape(0) != H || S0.shape(1) != hd || S0.shape(2) != hd)
     throw std::invalid_argument("delta: expected q, k, v [M, H, hd], a and beta [H], S0 [H, hd, hd]");
   return mx::array::make_arrays({{M, H, hd}, {M, H, hd, hd}}, {mx::float32, mx::float32},
-                                std::make_shared<SpelDelta>(cpu_stream()), {q, k, v, a, beta, S0});
+                                std::make_shared<SpelDelta>(cpu_stream(), false), {q, k, v, a, beta, S0});
+}
+
+std::vector<mx::array> gdn_delta(const mx::array& qkv, const mx::array& a, const mx::array& beta,
+                                 const mx::array& S0) {
+  check_f32(qkv, "gdn_delta", "qkv", 2);
+  check_f32(a, "gdn_delta", "a", 1);
+  check_f32(beta, "gdn_delta", "beta", 1);
+  check_f32(S0, "gdn_delta", "S0", 3);
+  const int M = qkv.shape(0), H = S0.shape(0), hd = S0.shape(1);
+  if (S0.shape(2) != hd || qkv.shape(1) != 3 * H * hd || a.shape(0) != H || beta.shape(0) != H)
+    throw std::invalid_argument("gdn_delta: expected qkv [M, 3*H*hd], a and beta [H], S0 [H, hd, hd]");
+  return mx::array::make_arrays({{M, H, hd}, {M, H, hd, hd}, {M, H, hd}, {M, H, hd}},
+                                {mx::float32, mx::float32, mx::float32, mx::float32},
+                                std::make_shared<SpelDelta>(cpu_stream(), true), {qkv, a, beta, S0});
 }
 
 mx::array attend(const mx::array& q, const mx::array& k_cache, const mx::array& v_cache,
@@ -402,5 +463,6 @@ NB_MODULE(_spel_cpu, m) {
   m.def("linear", &linear, nb::arg("x"), nb::arg("blocks"));
   m.def("rms_norm", &rms_norm, nb::arg("x"), nb::arg("weight"), nb::arg("eps"));
   m.def("silu_mul", &silu_mul, nb::arg("a"), nb::arg("b"));
+  m.def("gdn_delta", &gdn_delta, nb::arg("qkv"), nb::arg("a"), nb::arg("beta"), nb::arg("S0"));
   m.def("attend", &attend, nb::arg("q"), nb::arg("k_cache"), nb::arg("v_cache"), nb::arg("pos0"));
 }
