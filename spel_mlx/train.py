@@ -3,7 +3,9 @@
     python -m spel_mlx.train target --run runs/target --config d_model=256,... --budget-min 45
     python -m spel_mlx.train draft  --run runs/draft --init runs/target --budget-min 15
     python -m spel_mlx.train export --run runs/draft --out spel_mlx/assets/default
-    python -m spel_mlx.train all    (corpus -> tokenizer -> target -> draft -> export)
+    python -m spel_mlx.train onpolicy --init runs/target --out runs/onpolicy.npy --minutes 6
+    python -m spel_mlx.train all    (corpus -> tokenizer -> target -> draft -> on-policy
+                                     windows -> draft on them -> export; re-run to resume)
 
 A run directory holds ``ckpt/`` (params, AdamW moments, controller state,
 replaced atomically as a whole), ``log.jsonl`` and ``train.log``.  Re-running
@@ -391,7 +393,7 @@ class _Log:
         self.tf = open(os.path.join(run, "train.log"), "a")
 
     def event(self, rec: dict, line: str) -> None:
-        self.jf.write(json.dumps(rec) + "\n")
+        self.jf.write(json.dumps({**rec, "time": round(time.time(), 1)}) + "\n")
         self.jf.flush()
         self.tf.write(line + "\n")
         self.tf.flush()
@@ -623,6 +625,70 @@ def export_run(run: str, out_dir: str, dtype: str = "float16", tokenizer_path: s
     return out_dir
 
 
+# --- the whole pipeline -----------------------------------------------------------
+def train_all(a) -> dict:
+    """corpus -> tokenizer -> target -> draft on text -> on-policy windows -> draft
+    on text + windows -> export, each step skipped or resumed when its output
+    exists (re-running the command after an interruption continues it).
+    Returns the wall time of each step run here (also in RUNS/timing.json)."""
+    from . import corpus
+    from .tokenizer import DEFAULT_SP_MODEL, train_sentencepiece
+    times, t = {}, time.time()
+
+    def lap(name):
+        nonlocal t
+        times[name] = round(time.time() - t, 1)
+        t = time.time()
+        print(f"[all] {name}: {times[name] / 60:.1f} min", flush=True)
+    os.makedirs(a.runs, exist_ok=True)
+    if not all(os.path.exists(os.path.join(a.data, f)) for f in ("train.txt", "heldout.txt", "manifest.json")):
+        corpus.prepare(a.data)
+        lap("corpus")
+    sp_path = a.tokenizer_out or DEFAULT_SP_MODEL
+    tr, dr = os.path.join(a.runs, "target"), os.path.join(a.runs, "draft")
+    # a resumed pipeline keeps the tokenizer its target was trained with
+    if not (os.path.exists(sp_path) and os.path.exists(os.path.join(tr, "ckpt", "state.json"))):
+        train_sentencepiece(os.path.join(a.data, "train.txt"), sp_path, a.vocab)
+        lap("tokenizer")
+    cfg = ModelConfig(**{**ModelConfig().to_dict(), **parse_config_string(a.config)})
+    cfg = cfg.replace(draft_map=tuple(cfg.draft_map), vocab=a.vocab)
+    train(tr, cfg, TrainConfig(mode="target", budget_min=a.target_min, data=a.data, batch=4,
+                               warmup=40, eval_tokens=8192, ckpt_every=50, tokenizer=sp_path))
+    lap("target")
+    train(dr, None, TrainConfig(mode="draft", budget_min=a.draft_min, data=a.data, init=tr, batch=4,
+                                lr=1e-3, warmup=20, eval_every=50, eval_tokens=4096,
+                                ckpt_every=50, tokenizer=sp_path))
+    lap("draft")
+    final = dr
+    if a.onpolicy_min > 0 and a.onpolicy_draft_min > 0:
+        op = os.path.join(a.runs, "onpolicy.npy")
+        if not os.path.exists(op):
+            generate_onpolicy(tr, op, a.onpolicy_min, a.data, sp_path)
+            lap("onpolicy windows")
+        final = os.path.join(a.runs, "draft_onpolicy")
+        train(final, None, TrainConfig(mode="draft", budget_min=a.onpolicy_draft_min, data=a.data,
+                                       init=dr, batch=4, lr=3e-4, warmup=10, eval_every=50,
+                                       eval_tokens=4096, ckpt_every=50, tokenizer=sp_path,
+                                       onpolicy=op, onpolicy_frac=0.5))
+        lap("draft on-policy")
+    print(export_run(final, a.out, data_dir=a.data, tokenizer_path=sp_path))
+    lap("export")
+    prev = {}
+    tf = os.path.join(a.runs, "timing.json")
+    if os.path.exists(tf):
+        try:
+            prev = json.load(open(tf))
+        except ValueError:
+            prev = {}
+    for k, v in times.items():          # an interrupted-and-resumed step adds up
+        prev[k] = round(prev.get(k, 0.0) + v, 1)
+    with open(tf + ".tmp", "w") as f:
+        json.dump(prev, f, indent=1)
+    os.replace(tf + ".tmp", tf)
+    return {"out": a.out, "minutes": {k: round(v / 60, 1) for k, v in prev.items()},
+            "total_min": round(sum(prev.values()) / 60, 1)}
+
+
 # --- CLI --------------------------------------------------------------------------
 def _add_train_args(p, mode: str):
     d = TrainConfig(mode=mode)
@@ -670,8 +736,12 @@ def main(argv=None) -> int:
     al.add_argument("--runs", default="runs")
     al.add_argument("--data", default="data/corpus")
     al.add_argument("--config", default=DEFAULT_SHAPE)
-    al.add_argument("--target-min", type=float, default=70.0)
-    al.add_argument("--draft-min", type=float, default=25.0)
+    al.add_argument("--target-min", type=float, default=60.0)
+    al.add_argument("--draft-min", type=float, default=20.0)
+    al.add_argument("--onpolicy-min", type=float, default=6.0,
+                    help="minutes of target-generated windows for on-policy distillation (0: none)")
+    al.add_argument("--onpolicy-draft-min", type=float, default=12.0,
+                    help="minutes of draft distillation on them (after --draft-min on text)")
     al.add_argument("--vocab", type=int, default=2048)
     al.add_argument("--out", default="spel_mlx/assets/default")
     al.add_argument("--tokenizer-out", default="", help="where the SentencePiece model goes "
@@ -698,20 +768,7 @@ def main(argv=None) -> int:
         elif a.cmd == "export":
             print(export_run(a.run, a.out, a.dtype, data_dir=a.data, spelw_path=a.spelw))
         else:
-            from . import corpus
-            from .tokenizer import DEFAULT_SP_MODEL, train_sentencepiece
-            corpus.prepare(a.data)
-            sp_path = a.tokenizer_out or DEFAULT_SP_MODEL
-            train_sentencepiece(os.path.join(a.data, "train.txt"), sp_path, a.vocab)
-            cfg = ModelConfig(**{**ModelConfig().to_dict(), **parse_config_string(a.config)})
-            cfg = cfg.replace(draft_map=tuple(cfg.draft_map), vocab=a.vocab)
-            tr, dr = os.path.join(a.runs, "target"), os.path.join(a.runs, "draft")
-            train(tr, cfg, TrainConfig(mode="target", budget_min=a.target_min, data=a.data, batch=4,
-                                       warmup=40, eval_tokens=8192, ckpt_every=50, tokenizer=sp_path))
-            train(dr, None, TrainConfig(mode="draft", budget_min=a.draft_min, data=a.data, init=tr, batch=4,
-                                        lr=1e-3, warmup=20, eval_every=50, eval_tokens=4096,
-                                        ckpt_every=50, tokenizer=sp_path))
-            print(export_run(dr, a.out, data_dir=a.data, tokenizer_path=sp_path))
+            print(json.dumps(train_all(a)))
     except (TrainError, ConfigError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
