@@ -201,6 +201,10 @@ def findings(results) -> str:
         if peer:
             s.append(f"SPEL's AR is {metric(ar, 'tok_s') / metric(peer, 'tok_s'):.2f}× mlx-lm's "
                      f"same-shape Llama greedy")
+            if raw:
+                best = max(raw, key=lambda r: metric(r, "tok_s"))
+                s.append(f"its raw speculation {metric(best, 'tok_s') / metric(peer, 'tok_s'):.2f}× "
+                         f"({best['threads']} draft thread(s))")
         info = results.get("regimes", {}).get(g, {})
         if info.get("systems_only"):
             s.append("weights are random, so alpha and decoding rows show systems behaviour only")
