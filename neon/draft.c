@@ -542,24 +542,39 @@ int spel_draft_step(spel_draft *d, int32_t token, float *logits) {
     return spel_draft_commit(d, 1);
 }
 
-int spel_draft_propose(spel_draft *d, int32_t pending, int k, int32_t *out) {
-    if (k < 1 || k + 1 > d->R) return fail(d, "propose(K=%d) needs K+1 <= ring (%d)", k, d->R);
-    if (d->last_m == d->R)
+int spel_draft_propose_at(spel_draft *d, int32_t pending, int k, int start, int guess, int32_t *out) {
+    if (k < 1 || start < 0 || start + k + 1 > d->R)
+        return fail(d, "propose(K=%d) at offset %d needs offset+K+1 <= ring (%d)", k, start, d->R);
+    if (start > d->last_m) return fail(d, "propose at offset %d beyond the %d uncommitted tokens", start, d->last_m);
+    if (start == 0 && d->last_m == d->R)
         return fail(d, "the last batch filled the ring (%d slots); commit before proposing", d->R);
     float *logits = malloc(4 * (size_t)d->cfg.vocab);
     if (!logits) return fail(d, "out of memory");
     int32_t t = pending;
     int rc = 0;
     for (int j = 0; j <= k; j++) {
-        /* the last forward only extends the state over d_{k-1}: no logits */
-        if ((rc = run_token(d, t, j, j == k ? NULL : logits))) break;
-        if (j == k) break;
+        /* the last forward extends the state over d_{k-1}; its logits (the draft's
+         * guess at the target's next token, out[k]) only when asked for */
+        if ((rc = run_token(d, t, start + j, j < k || guess ? logits : NULL))) break;
+        if (j == k && !guess) break;
         int best = 0;
         for (int v = 1; v < d->cfg.vocab; v++)
             if (logits[v] > logits[best]) best = v;
         out[j] = t = best;
     }
     free(logits);
-    d->last_m = rc ? 0 : k + 1;
+    d->last_m = rc ? 0 : start + k + 1;
     return rc;
+}
+
+int spel_draft_propose(spel_draft *d, int32_t pending, int k, int32_t *out) {
+    return spel_draft_propose_at(d, pending, k, 0, 0, out);
+}
+
+int spel_draft_commit_keep(spel_draft *d, int n) {
+    if (n < 1 || n > d->last_m) return fail(d, "commit(%d): the last batch has %d uncommitted tokens", n, d->last_m);
+    d->read = (d->read + n) % d->R;
+    d->pos += n;
+    d->last_m -= n;   /* the rest of the batch stays uncommitted, now at offsets 0.. */
+    return 0;
 }

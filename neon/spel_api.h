@@ -78,7 +78,13 @@ int spel_draft_forward(spel_draft *d, const int32_t *tokens, int m, float *logit
 int spel_draft_forward_from(spel_draft *d, const int32_t *tokens, int m, int start, float *logits);
 int spel_draft_step(spel_draft *d, int32_t token, float *logits);
 int spel_draft_propose(spel_draft *d, int32_t pending, int k, int32_t *out_tokens);
+/* propose continuing the uncommitted batch at offset start; guess != 0: the last
+ * forward also runs the head and out_tokens[k] is the draft's next-token guess */
+int spel_draft_propose_at(spel_draft *d, int32_t pending, int k, int start, int guess,
+                          int32_t *out_tokens);
 int spel_draft_commit(spel_draft *d, int n);
+/* commit n and keep the rest of the last batch uncommitted (shifted to offset 0) */
+int spel_draft_commit_keep(spel_draft *d, int n);
 void spel_draft_reset(spel_draft *d);
 int64_t spel_draft_pos(const spel_draft *d);
 int spel_draft_kernel(const spel_draft *d);

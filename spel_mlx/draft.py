@@ -328,8 +328,22 @@ class CDraft:
                                            _ptr("int32_t", out)))
         return [int(t) for t in out[:k]]
 
+    def propose_at(self, pending: int, k: int, start: int, guess: bool = False) -> list:
+        """propose continuing the uncommitted batch at offset ``start`` (the k+1
+        forwards take offsets start..start+k).  ``guess``: the last forward also runs
+        the head and the result has k+1 tokens, the last being the draft's guess at
+        the token after d_{k-1}."""
+        out = np.zeros(int(k) + 1, np.int32)
+        self._check(lib.spel_draft_propose_at(self._live(), int(self._tokens([pending])[0]), int(k),
+                                              int(start), int(bool(guess)), _ptr("int32_t", out)))
+        return [int(t) for t in out[:k + (1 if guess else 0)]]
+
     def commit(self, n: int):
         self._check(lib.spel_draft_commit(self._live(), int(n)))
+
+    def commit_keep(self, n: int):
+        """Commit n tokens and keep the rest of the batch uncommitted (at offsets 0..)."""
+        self._check(lib.spel_draft_commit_keep(self._live(), int(n)))
 
     def reset(self):
         lib.spel_draft_reset(self._live())

@@ -57,6 +57,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="draft engine (default c: the ternary C draft; mlx when it is not built)")
     ap.add_argument("--draft-threads", type=int, default=None,
                     help="C draft worker threads 1..6 (default SPEL_DRAFT_THREADS or 1)")
+    ap.add_argument("--draft-ahead", choices=("auto", "on", "off"), default="auto",
+                    help="greedy C draft: draft the next round on another core while the target "
+                         "verifies (default auto: on with 2+ CPUs and 1 draft thread)")
     ap.add_argument("--temperature", type=float, default=DEFAULT_TEMPERATURE,
                     help=f"0 = exact greedy (default {DEFAULT_TEMPERATURE})")
     ap.add_argument("--top-p", type=float, default=DEFAULT_TOP_P)
@@ -301,9 +304,13 @@ def run(argv=None, stdout=None, stderr=None) -> int:
             if draft_kind is None:
                 draft_kind = "c" if _c_draft_available() else "mlx"
             try:
+                ahead = args.draft_ahead == "on" or (
+                    args.draft_ahead == "auto" and (os.cpu_count() or 1) >= 2
+                    and (args.draft_threads or sp.default_draft_threads()) == 1)
                 draft = sp.make_draft(draft_kind, model, ck.weights, k=K, threads=args.draft_threads,
                                       strict=args.strict,
-                                      auto_fallback="c" if _c_draft_available() else "mlx")
+                                      auto_fallback="c" if _c_draft_available() else "mlx",
+                                      pipeline=ahead and params.greedy and not params.uses_penalty)
             except ImportError as e:
                 raise UsageError(f"--draft {draft_kind}: the C draft module is not available ({e}); "
                                  f"reinstall with `pip install -e .` or use --draft mlx") from None

@@ -234,6 +234,79 @@ class CDraftEngine(DraftEngine):
         self.d.close()
 
 
+class PipelinedCDraft(CDraftEngine):
+    """The C draft drafting the next round on a second core while the target verifies.
+
+    Plain greedy only (anything else runs as CDraftEngine).  A round's proposal
+    [p, d_0..d_{K-1}] also yields the draft's guess g at the token after d_{K-1}.
+    While the target verifies that batch, a worker thread proposes [g, e_0..e_{K-1}]
+    (and its guess) continuing the draft's uncommitted batch, as if all K proposals
+    were accepted and the target's correction were g.  When exactly that happens,
+    the commit keeps the continuation and the next round's proposal costs nothing;
+    otherwise committing n+1 drops it.  The proposals are the same tokens
+    CDraftEngine would make (the draft is deterministic), so the output is too;
+    only the critical path changes.  The draft's ring must hold 2K+2 positions.
+    ``draft_s`` (and c) counts only the draft work left on the critical path.
+    """
+
+    def __init__(self, cdraft):
+        super().__init__(cdraft)
+        import concurrent.futures
+        self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="spel-draft-ahead")
+        self._future = None
+        self._ready = None          # (expected pending, proposal, guess) of a kept continuation
+        self._k = 0
+        self._guess = None
+        self.hits = self.misses = 0
+
+    def _join(self):
+        f, self._future = self._future, None
+        return None if f is None else f.result()
+
+    def reset(self):
+        self._join()
+        self._ready = None
+        self.hits = self.misses = 0
+        super().reset()
+
+    def propose(self, history, pending, k, params, rng):
+        self._join()
+        if not (params.greedy and not params.uses_penalty) or 2 * k + 2 > self.ring:
+            self._ready = None              # a kept continuation is overwritten by the new batch
+            return super().propose(history, pending, k, params, rng)
+        ready, self._ready = self._ready, None
+        if ready is not None and ready[0] == int(pending) and len(ready[1]) == k:
+            proposal, guess = ready[1], ready[2]         # drafted during the last verify
+            self.hits += 1
+        else:
+            if ready is not None:
+                self.misses += 1                         # the fresh batch below overwrites it
+            self.sync(history)
+            toks = self.d.propose_at(int(pending), k, 0, guess=True)
+            proposal, guess = toks[:k], toks[k]
+            self.forwards += k + 1
+        self._k, self._guess = k, guess
+        if int(self.d.pos) + 2 * k + 2 <= self.d.cfg.max_seq:   # the continuation's positions fit
+            self._future = self._pool.submit(self.d.propose_at, guess, k, k + 1, True)
+        return proposal, None
+
+    def commit(self, n: int):
+        ahead = self._join()
+        if ahead is not None and n == self._k + 1:
+            self.d.commit_keep(n)                        # keep [g, e_0..e_{K-1}] pending
+            self._ready = (self._guess, ahead[:self._k], ahead[self._k])
+            self.forwards += self._k + 1
+        else:
+            self.d.commit(n)                             # drops the continuation
+
+    def close(self):
+        try:
+            self._join()
+        finally:
+            self._pool.shutdown(wait=True)
+            super().close()
+
+
 class NgramDraft(DraftEngine):
     """Prompt-lookup proposals; deterministic, so q is a point mass."""
 
@@ -649,6 +722,9 @@ class SpeculativeDecoder:
                     ng = draft if isinstance(draft, NgramDraft) else draft.ngram
                     st.extra["ngram_hits"] = ng.hits
                     st.extra["ngram_lookups"] = ng.lookups
+                ahead = draft.model_draft if isinstance(draft, AutoDraft) else draft
+                if isinstance(ahead, PipelinedCDraft):
+                    st.extra["ahead_hits"], st.extra["ahead_misses"] = ahead.hits, ahead.misses
                 if isinstance(draft, AutoDraft):
                     st.extra["auto_model_rounds"] = draft.used_model
                     st.extra["auto_gated_rounds"] = draft.gated
@@ -685,12 +761,22 @@ class SpeculativeDecoder:
 DRAFT_KINDS = ("c", "mlx", "ngram", "auto", "target")
 
 
+def default_draft_threads() -> int:
+    """C draft threads when none are given (SPEL_DRAFT_THREADS, else 1)."""
+    from .draft import _threads_from_env
+    try:
+        return _threads_from_env(None)
+    except ValueError:
+        return 1
+
+
 def make_draft(kind: str, model, weights=None, k: int = 4, threads: int | None = None,
                strict: bool = False,
-               ngram_n=(2, 4), auto_fallback: str = "c") -> DraftEngine:
+               ngram_n=(2, 4), auto_fallback: str = "c", pipeline: bool = False) -> DraftEngine:
     """Build a draft engine by name.  `weights` (the weights dict) is needed by the
     C draft (threads None = SPEL_DRAFT_THREADS, else 1); "auto" puts the n-gram
-    drafter ahead of `auto_fallback`."""
+    drafter ahead of `auto_fallback`.  `pipeline`: the C draft drafts the next round
+    during verification (PipelinedCDraft; greedy)."""
     ring = k + 1
     if kind == "mlx":
         return ModelDraft(model, "draft", ring=ring, strict=strict)
@@ -702,8 +788,10 @@ def make_draft(kind: str, model, weights=None, k: int = 4, threads: int | None =
         from .draft import CDraft  # the C module; ImportError if not built
         if weights is None:
             raise DecodeError("the C draft needs the checkpoint's weights")
+        if pipeline:
+            return PipelinedCDraft(CDraft(model.cfg, weights, threads=threads, ring=2 * k + 2))
         return CDraftEngine(CDraft(model.cfg, weights, threads=threads, ring=ring))
     if kind == "auto":
-        fallback = make_draft(auto_fallback, model, weights, k, threads, strict, ngram_n)
+        fallback = make_draft(auto_fallback, model, weights, k, threads, strict, ngram_n, pipeline=pipeline)
         return AutoDraft(NgramDraft(model.cfg.vocab, *ngram_n), fallback)
     raise DecodeError(f"draft {kind!r}: expected one of {', '.join(DRAFT_KINDS)}")
