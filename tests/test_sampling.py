@@ -173,3 +173,22 @@ def test_acceptance_rate_is_overlap():
     expect = np.minimum(p, q).sum()
     sd = math.sqrt(expect * (1 - expect) / N_DRAWS)
     assert abs(acc / N_DRAWS - expect) < 4 * sd
+
+
+def test_nucleus_from_candidates_equals_full_sort():
+    """top-p sorts only the top candidates when their mass suffices: the kept set
+    and probabilities are identical to a full stable sort, ties included."""
+    rng = np.random.default_rng(11)
+    for trial in range(400):
+        V = int(rng.choice([300, 2048]))
+        lg = rng.standard_normal(V) * rng.choice([0.5, 3.0])
+        if trial % 3 == 0:
+            lg = np.round(lg * 2) / 2                       # many exact ties
+        p = np.exp(lg - lg.max())
+        p /= p.sum()
+        for top_p in (0.3, 0.9, 0.999):
+            order, csum = smp._descending_mass(p, top_p)
+            full = np.argsort(-p, kind="stable")
+            n = len(order)
+            assert np.array_equal(order, full[:n]) and np.array_equal(csum, np.cumsum(p[full])[:n])
+            assert csum[-1] >= top_p or n == V
