@@ -133,6 +133,10 @@ def draft_placements(threads: list, drafts=("c", "mlx")) -> list:
     gpu = common.gpu_available()
     out = [("draft=c-cpu", "c", t, "cpu" if "c" in drafts else None,
             "" if "c" in drafts else "not in this level's protocol") for t in threads]
+    # the C draft drafting the next round on the other core during verification
+    # (PipelinedCDraft, generate's default for greedy decoding with 1 draft thread)
+    out.append(("draft=c-cpu ahead", "c-ahead", 1, "cpu" if "c" in drafts else None,
+                "" if "c" in drafts else "not in this level's protocol"))
     out.append(("draft=mlx-cpu", "mlx", None, "cpu" if "mlx" in drafts else None,
                 "" if "mlx" in drafts else "not in this level's protocol for this regime"))
     out.append(("draft=mlx-gpu", "mlx", None, "gpu" if gpu else None,
@@ -190,7 +194,8 @@ def run_target_placement(job, regime, tgt_label, tgt_dev, K, warm, gen, prompt, 
                 rows.append(unavailable(SECTION, label, reason, mode=mode, status=status, **fields))
             continue
         try:
-            engine = make_draft(kind, model, regime["weights"], k=K, threads=th or 1)
+            engine = make_draft("c" if kind == "c-ahead" else kind, model, regime["weights"], k=K,
+                                threads=th or 1, pipeline=(kind == "c-ahead"))
         except Exception as e:
             why = f"draft {kind!r} could not be built: {type(e).__name__}: {e}"
             rows.append(unavailable(SECTION, "draft only", why, mode="draft-only", **fields))
@@ -202,7 +207,7 @@ def run_target_placement(job, regime, tgt_label, tgt_dev, K, warm, gen, prompt, 
         try:
             n_only = max(16, 2 * gen)
             with (device_stream(ddev) if kind == "mlx" else contextlib.nullcontext()):
-                rate = (draft_only_c(engine, prompt, n_only) if kind == "c"
+                rate = (draft_only_c(engine, prompt, n_only) if kind in ("c", "c-ahead")
                         else draft_only_mlx(model, prompt, n_only, K + 1))
             rows.append(make_row(SECTION, "draft only", mode="draft-only", primary="tok_s",
                                  metrics={"tok_s": rate, "c": ar_tok_s / rate}, **fields))

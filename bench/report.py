@@ -139,6 +139,10 @@ def headline(results) -> tuple:
             body.append([f"{label}, K={K}, C draft {t} thr"] +
                         [spec_cell(b3(g, name, "target=mlx-cpu draft=c-cpu", t, K)) for g in regimes] +
                         [ORIGINAL["raw"] if (name == "raw spec" and t == threads[-1]) else ""])
+        if name in ("raw spec", "governed spec"):
+            body.append([f"{label}, K={K}, C draft 1 thr, drafting ahead"] +
+                        [spec_cell(b3(g, name, "target=mlx-cpu draft=c-cpu ahead", 1, K)) for g in regimes] +
+                        [""])
     Kc = results["params"].get("K_ceiling")
     if Kc:
         body.append([f"forced 1.00, K={Kc}, C draft 1 thr"] +
