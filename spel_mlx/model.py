@@ -7,7 +7,9 @@ SpelModel.  Parameter paths are exactly the names of ``spel_mlx.layout``
 The decoding state (KV caches, GDN rings) lives in ``spel_mlx.state``; the model
 only reads the committed/pending slot and writes new slots.  Three sequence
 primitives (short conv, delta rule, causal attention) go through a replaceable
-``ops`` object (``MLXOps`` by default, Metal kernels in ``spel_mlx.kernels``).
+``ops`` object (``auto_ops()``: the fused CPU primitives of ``spel_mlx.cpu_ops``
+on the CPU when built, else ``MLXOps``; Metal kernels in ``spel_mlx.kernels``),
+as may, optionally, the linears, norms and SwiGLU gate.
 
 Every forward is ONE ``mx.compile``d pass of a whole stack over M rows,
 compiled per (stack, M, attention window).  A single-token forward is the M=1
@@ -224,6 +226,8 @@ def auto_ops():
         if cpu_ops.available():
             return cpu_ops.CPUFusedOps()
     return DEFAULT_OPS
+
+
 # widest cache window MLXOps.attend reads head-major for M > 1 (see _attend_head_major;
 # 21m, M=5: 0.10 vs 0.18 ms at W=128, 0.8 vs 1.1 ms at 1024, 8.1 vs 4.6 ms at 4096)
 ATTEND_HEAD_MAJOR_MAX = 1024
