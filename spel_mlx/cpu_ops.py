@@ -1,13 +1,15 @@
 """Fused CPU primitives as the model's ``ops`` (spel_mlx.model.MLXOps contract).
 
 ``spel_mlx._spel_cpu`` (C++ in spel_mlx/cpu_ext/, built by setup.py against the
-installed MLX) adds MLX primitives that run on the CPU stream: the causal
-conv + SiLU, the gated delta rule over M tokens (every token's state, for the
-rollback ring), causal attention of M queries, RMSNorm and the SwiGLU gate.
-Each is one graph node where MLXOps spends 3-30 small ones, and on the CPU every node costs microseconds of
-dispatch: see docs/model.md for the measured passes.  Used on the CPU device by
-``spel_mlx.kernels.select`` when the module is built for the running MLX
-version; MLXOps stays the reference (tests/test_cpu_ops.py).
+installed MLX) adds MLX primitives that run on the CPU stream: the linears (one
+sgemm per contiguous row block, no reshapes), RMSNorm, the SwiGLU gate, the
+causal conv + SiLU, the gated delta rule over M tokens (with the q/k L2 norm;
+every token's state, for the rollback ring) and causal attention of M queries.
+Each is one graph node where MLXOps spends 3-30 small ones, and on the CPU
+every node costs microseconds of dispatch: docs/model.md has the measured
+passes.  A new model uses them on the CPU device (``model.auto_ops``) when the
+module is built for the running MLX version; MLXOps stays the reference
+(tests/test_cpu_ops.py).
 """
 from __future__ import annotations
 
