@@ -32,14 +32,16 @@ import mlx.core as mx  # noqa: E402
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench import peers  # noqa: E402
 
-MODES = [  # (label, mode, draft kind, threads, governor)
-    ("ar", "ar", None, 0, None),
-    ("spec, C draft 1 thread", "spec", "c", 1, None),
-    ("spec, C draft 2 threads", "spec", "c", 2, None),
-    ("governed, C draft 1 thread", "governed", "c", 1, None),
-    ("governed (grace 2), C draft 1 thread", "governed", "c", 1, sp.GovernorConfig(zero_accept_grace=2)),
-    ("spec, n-gram draft", "spec", "ngram", 0, None),
-    ("spec, auto (n-gram, else C)", "spec", "auto", 1, None),
+MODES = [  # (label, mode, draft kind, threads, governor, drafting ahead)
+    ("ar", "ar", None, 0, None, False),
+    ("spec, C draft 1 thread", "spec", "c", 1, None, False),
+    ("spec, C draft 1 thread, drafting ahead", "spec", "c", 1, None, True),
+    ("spec, C draft 2 threads", "spec", "c", 2, None, False),
+    ("governed, C draft 1 thread, drafting ahead", "governed", "c", 1, None, True),
+    ("governed (grace 2), C draft 1 thread, drafting ahead", "governed", "c", 1,
+     sp.GovernorConfig(zero_accept_grace=2), True),
+    ("spec, n-gram draft", "spec", "ngram", 0, None, False),
+    ("spec, auto (n-gram, else C drafting ahead)", "spec", "auto", 1, None, True),
 ]
 
 
@@ -71,9 +73,9 @@ def main(argv=None) -> int:
     model = SpelModel.from_weights(cfg, ck.weights)
     prompts = heldout_prompts(tok, a.data, a.texts, a.prompt)
     decoders = {}
-    for label, mode, kind, threads, gov in MODES:
+    for label, mode, kind, threads, gov, ahead in MODES:
         draft = None if kind is None else sp.make_draft(kind, model, weights=ck.weights, k=a.k,
-                                                         threads=threads or None)
+                                                         threads=threads or None, pipeline=ahead)
         decoders[label] = sp.SpeculativeDecoder(model, draft, mode, k=a.k, governor=gov)
     llama = peers.build_llama(cfg)
     rows = []
