@@ -82,6 +82,11 @@ int spel_draft_propose(spel_draft *d, int32_t pending, int k, int32_t *out_token
  * forward also runs the head and out_tokens[k] is the draft's next-token guess */
 int spel_draft_propose_at(spel_draft *d, int32_t pending, int k, int start, int guess,
                           int32_t *out_tokens);
+/* the same proposal on the draft's own thread: returns at once (0, or -1 for a bad
+ * request); spel_draft_wait blocks until it is done and gives its rc and the k
+ * (+1 with guess) tokens.  In between, every other call on d fails ("wait first"). */
+int spel_draft_propose_at_async(spel_draft *d, int32_t pending, int k, int start, int guess);
+int spel_draft_wait(spel_draft *d, int32_t *out_tokens);
 int spel_draft_commit(spel_draft *d, int n);
 /* commit n and keep the rest of the last batch uncommitted (shifted to offset 0) */
 int spel_draft_commit_keep(spel_draft *d, int n);

@@ -338,6 +338,21 @@ class CDraft:
                                               int(start), int(bool(guess)), _ptr("int32_t", out)))
         return [int(t) for t in out[:k + (1 if guess else 0)]]
 
+    def propose_at_async(self, pending: int, k: int, start: int, guess: bool = False) -> None:
+        """Start propose_at on the draft's own native thread and return at once (no
+        Python thread, so it starts while the caller holds the GIL); ``wait`` gives
+        the result.  Until then every other call fails."""
+        self._check(lib.spel_draft_propose_at_async(self._live(), int(self._tokens([pending])[0]), int(k),
+                                                    int(start), int(bool(guess))))
+        self._async = int(k) + (1 if guess else 0)
+
+    def wait(self) -> list:
+        """The tokens of the proposal started by propose_at_async (blocks until done)."""
+        n, self._async = getattr(self, "_async", 0), 0
+        out = np.zeros(max(n, 1), np.int32)
+        self._check(lib.spel_draft_wait(self._live(), _ptr("int32_t", out)))
+        return [int(t) for t in out[:n]]
+
     def commit(self, n: int):
         self._check(lib.spel_draft_commit(self._live(), int(n)))
 

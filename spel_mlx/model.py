@@ -479,13 +479,14 @@ class GatedDeltaNet(nn.Module):
         return qk[:, 0:1].reshape(M, H, hd), qk[:, 1:2].reshape(M, H, hd), qkv[:, 2:3].reshape(M, H, hd)
 
     def __call__(self, x, S0, tail, ops):
-        """x [M,d] normed input.  Returns out [M,d], the M states [H,hd,hd], tails, q, k."""
+        """x [M,d] normed input.  Returns out [M,d], the M states [H,hd,hd] (a list, or
+        with ops.gdn_delta one stacked [M,H,hd,hd] array), tails [M,2,d], q, k."""
         u, tails = ops.conv_step(x, tail, self.conv)
         g = self.gates(x.shape[0])
         fused = getattr(ops, "gdn_delta", None)
         if fused is not None:     # L2 norm + delta rule from the raw projection, one node
             o, S_all, q, k = fused(self.wqkv(u, ops), g["a"], g["b"], S0)
-            return self.wo(o.reshape(x.shape[0], -1), ops), _rows(S_all, x.shape[0]), tails, q, k
+            return self.wo(o.reshape(x.shape[0], -1), ops), S_all, tails, q, k   # states stacked
         q, k, v = self.qkv(u, ops)
         if hasattr(ops, "delta_rule_states"):
             o, states = ops.delta_rule_states(q, k, v, g["a"], g["b"], S0, gates=g["chunk"])
@@ -721,6 +722,7 @@ class SpelModel(nn.Module):
         fn = self._compiled.get(key)
         if fn is None:
             fn = self._compiled[key] = self._make_pass(state.stack, M, window)
+        stacked = hasattr(self._ops, "gdn_delta")   # the pass returns [M, ...] states per layer
         gdn_in, kv_in = [], []
         for li in state.gdn_layers:
             gdn_in.extend(state.current_gdn(li))
@@ -733,7 +735,10 @@ class SpelModel(nn.Module):
             state.set_kv(li, kv_out[2 * n], kv_out[2 * n + 1])
         captured = {}
         for n, li in enumerate(state.gdn_layers):
-            state.write_gdn(li, gdn_out[2 * n * M:(2 * n + 1) * M], gdn_out[(2 * n + 1) * M:(2 * n + 2) * M])
+            if stacked:
+                state.write_gdn_rows(li, gdn_out[2 * n], gdn_out[2 * n + 1])
+            else:
+                state.write_gdn(li, gdn_out[2 * n * M:(2 * n + 1) * M], gdn_out[(2 * n + 1) * M:(2 * n + 2) * M])
             captured[li] = {"q": qk[2 * n], "k": qk[2 * n + 1]}
         state.advance(M)
         # the GDN slots stay lazy: the next pass evaluates the one it starts from,
@@ -747,7 +752,8 @@ class SpelModel(nn.Module):
         Inputs: tokens [M] int32, pos (int32 scalar: position of row 0), the
         GDN states [S, tail] per GDN layer, the full KV caches [K, V] per
         attention layer.  Outputs: logits [M,V]; per GDN layer the M states S
-        [H,hd,hd] then the M conv tails [2,d]; the updated caches; per GDN
+        [H,hd,hd] then the M conv tails [2,d] (with ops.gdn_delta: the two
+        stacked, [M,H,hd,hd] and [M,2,d]); the updated caches; per GDN
         layer q and k [M,H,hd].  The parameters are captured as constants, so
         ``update``/``set_ops`` drop the compiled passes.
         """
@@ -768,7 +774,7 @@ class SpelModel(nn.Module):
                 xn = _rms_norm(ops, x, blk.attn_norm)
                 if blk.kind == "gdn":
                     out, states, tails, q, k = blk.mixer(xn, gdn_in[2 * gi], gdn_in[2 * gi + 1], ops)
-                    gdn_out += states + _rows(tails, M)
+                    gdn_out += [states, tails] if isinstance(states, mx.array) else states + _rows(tails, M)
                     qk += [q, k]
                     gi += 1
                 else:

@@ -239,29 +239,32 @@ class PipelinedCDraft(CDraftEngine):
 
     Plain greedy only (anything else runs as CDraftEngine).  A round's proposal
     [p, d_0..d_{K-1}] also yields the draft's guess g at the token after d_{K-1}.
-    While the target verifies that batch, a worker thread proposes [g, e_0..e_{K-1}]
-    (and its guess) continuing the draft's uncommitted batch, as if all K proposals
-    were accepted and the target's correction were g.  When exactly that happens,
-    the commit keeps the continuation and the next round's proposal costs nothing;
-    otherwise committing n+1 drops it.  The proposals are the same tokens
-    CDraftEngine would make (the draft is deterministic), so the output is too;
-    only the critical path changes.  The draft's ring must hold 2K+2 positions.
-    ``draft_s`` (and c) counts only the draft work left on the critical path.
+    While the target verifies that batch, the draft's native thread proposes
+    [g, e_0..e_{K-1}] (and its guess) continuing the draft's uncommitted batch, as
+    if all K proposals were accepted and the target's correction were g.  When
+    exactly that happens, the commit keeps the continuation and the next round's
+    proposal costs nothing; otherwise committing n+1 drops it.  The proposals are
+    the same tokens CDraftEngine would make (the draft is deterministic), so the
+    output is too; only the critical path changes.  The draft's ring must hold
+    2K+2 positions.  The thread is the C module's own (propose_at_async): a
+    Python thread would first need the GIL, which the target's pass holds while
+    it schedules its nodes, and started 0.5-0.9 ms late.  ``draft_s`` (and c)
+    counts only the draft work left on the critical path.
     """
 
     def __init__(self, cdraft):
         super().__init__(cdraft)
-        import concurrent.futures
-        self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="spel-draft-ahead")
-        self._future = None
+        self._running = False
         self._ready = None          # (expected pending, proposal, guess) of a kept continuation
         self._k = 0
         self._guess = None
         self.hits = self.misses = 0
 
     def _join(self):
-        f, self._future = self._future, None
-        return None if f is None else f.result()
+        if not self._running:
+            return None
+        self._running = False
+        return self.d.wait()
 
     def reset(self):
         self._join()
@@ -287,7 +290,8 @@ class PipelinedCDraft(CDraftEngine):
             self.forwards += k + 1
         self._k, self._guess = k, guess
         if int(self.d.pos) + 2 * k + 2 <= self.d.cfg.max_seq:   # the continuation's positions fit
-            self._future = self._pool.submit(self.d.propose_at, guess, k, k + 1, True)
+            self.d.propose_at_async(guess, k, k + 1, True)
+            self._running = True
         return proposal, None
 
     def commit(self, n: int):
@@ -303,7 +307,6 @@ class PipelinedCDraft(CDraftEngine):
         try:
             self._join()
         finally:
-            self._pool.shutdown(wait=True)
             super().close()
 
 

@@ -37,6 +37,19 @@ class Snapshot:
     kv: dict      # layer -> (K [pos,H,hd], V [pos,H,hd])
 
 
+class _Row:
+    """Row j of a pass's stacked [M, ...] output, sliced only when its slot is read
+    (a K+1 verify writes K+1 slots per GDN layer and the next pass reads one)."""
+    __slots__ = ("stack", "j")
+
+    def __init__(self, stack, j: int):
+        self.stack, self.j = stack, j
+
+    def get(self):
+        a, j = self.stack, self.j
+        return a[j:j + 1].reshape(a.shape[1:])   # a view (integer indexing would gather)
+
+
 class DecodeState:
     def __init__(self, cfg: ModelConfig, stack: str = "target", ring: int | None = None):
         if stack == "target":
@@ -74,10 +87,18 @@ class DecodeState:
         if self.pos + self.pending + M > self.max_seq:
             raise StateError(f"position {self.pos + self.pending + M - 1} is past max_seq={self.max_seq}")
 
+    def slot_gdn(self, layer: int, slot: int):
+        """(S, tail) held by a ring slot (made an array when first read)."""
+        S, tail = self.ring_S[layer][slot], self.ring_tail[layer][slot]
+        if isinstance(S, _Row):
+            S = self.ring_S[layer][slot] = S.get()
+        if isinstance(tail, _Row):
+            tail = self.ring_tail[layer][slot] = tail.get()
+        return S, tail
+
     def current_gdn(self, layer: int):
         """(S, tail) the next token starts from: the last written slot."""
-        slot = (self.read + self.pending) % self.ring
-        return self.ring_S[layer][slot], self.ring_tail[layer][slot]
+        return self.slot_gdn(layer, (self.read + self.pending) % self.ring)
 
     def write_gdn(self, layer: int, S_list, tail_list) -> None:
         """Store the states after each new token in the slots after the current one."""
@@ -85,6 +106,13 @@ class DecodeState:
             slot = (self.read + self.pending + 1 + j) % self.ring
             self.ring_S[layer][slot] = S
             self.ring_tail[layer][slot] = tail
+
+    def write_gdn_rows(self, layer: int, S_all, tails_all) -> None:
+        """write_gdn from stacked arrays: S_all [M, H, hd, hd], tails_all [M, 2, d]."""
+        for j in range(S_all.shape[0]):
+            slot = (self.read + self.pending + 1 + j) % self.ring
+            self.ring_S[layer][slot] = _Row(S_all, j)
+            self.ring_tail[layer][slot] = _Row(tails_all, j)
 
     def kv(self, layer: int):
         return self.k_cache[layer], self.v_cache[layer]
@@ -113,7 +141,7 @@ class DecodeState:
 
     def committed_gdn(self, layer: int):
         """(S, tail) of the committed slot: the slot's own array objects."""
-        return self.ring_S[layer][self.read], self.ring_tail[layer][self.read]
+        return self.slot_gdn(layer, self.read)
 
     def snapshot(self) -> Snapshot:
         if self.pending:

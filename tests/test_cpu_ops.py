@@ -118,6 +118,44 @@ def test_rms_norm_and_gate(ops):
     assert np.abs(np.asarray(ops.silu_mul(a, b)) - want).max() < 1e-5 * max(1.0, np.abs(want).max())
 
 
+@pytest.fixture
+def scalar_and_simd():
+    """Run a function with the SIMD variants and with the scalar references."""
+    from spel_mlx import _spel_cpu as E
+    if E.simd() == "none":
+        pytest.skip("this CPU has no SIMD variant of the primitives (AVX2)")
+
+    def both(fn):
+        try:
+            E.set_simd(False)
+            assert E.simd() == "none"
+            ref = fn()
+        finally:
+            E.set_simd(True)
+        return ref, fn()
+    return both
+
+
+@pytest.mark.parametrize("M,hd", [(1, 64), (5, 64), (3, 16)])
+def test_simd_delta_rule_is_bit_identical_to_the_scalar_reference(ops, scalar_and_simd, M, hd):
+    H = 3
+    qkv = _rand((M, 3 * H * hd), 11, 2.0)
+    a, beta, S0 = mx.sigmoid(_rand((H,), 12)), mx.sigmoid(_rand((H,), 13)), _rand((H, hd, hd), 14, 0.3)
+    ref, got = scalar_and_simd(lambda: [np.asarray(t) for t in ops.gdn_delta(qkv, a, beta, S0)])
+    assert all(np.array_equal(x, y) for x, y in zip(ref, got))
+    assert np.abs(ref[0]).max() > 0
+
+
+def test_simd_gate_is_bit_identical_to_the_scalar_reference(ops, scalar_and_simd):
+    # every range of the formula: both clamps, large and tiny |a|, zeros, 19 columns (a tail)
+    a = np.concatenate([np.random.default_rng(15).standard_normal(5 * 19 - 9).astype(np.float32) * 30,
+                        np.float32([0.0, -0.0, 1e-30, -1e-30, 200.0, -200.0, 87.0, -87.5, 3e38])])
+    a, b = mx.array(a.reshape(5, 19)), _rand((5, 19), 16)
+    ref, got = scalar_and_simd(lambda: np.asarray(ops.silu_mul(a, b)))
+    assert np.array_equal(ref, got) and not np.isnan(ref).any()
+    assert np.array_equal(ref, np.asarray(silu_mul(a, b)))
+
+
 @pytest.mark.parametrize("rows,rb,M", [(192, 64, 1), (192, 64, 5), (192, 32, 9), (48, None, 3)])
 def test_linear_from_row_blocks(ops, rows, rb, M):
     lin = model_mod.Linear(64, rows)

@@ -213,6 +213,46 @@ def test_state_only_forwards_leave_the_same_state(small_weights):
         assert np.array_equal(d.step(9), ref.step(9))
 
 
+@pytest.mark.parametrize("threads", [1, 3])
+def test_async_proposal_equals_propose_at(small_weights, threads):
+    """propose_at_async on the draft's native thread, then wait: the same tokens and
+    state as propose_at; calls in between fail clearly; close/reset while one runs."""
+    K = 4
+    tasks0 = task_count()
+    with draft.CDraft(SMALL, small_weights, ring=2 * K + 2, threads=threads) as d, \
+            draft.CDraft(SMALL, small_weights, ring=2 * K + 2, threads=threads) as ref:
+        tasks = task_count()
+        for eng in (d, ref):
+            eng.forward([10, 20, 30], logits=False)
+            eng.commit(3)
+        first = d.propose_at(42, K, 0, guess=True)
+        assert first == ref.propose_at(42, K, 0, guess=True)
+        d.propose_at_async(first[K], K, K + 1, True)           # the continuation, as if all accepted
+        with pytest.raises(ValueError, match="wait for it first"):
+            d.commit(1)
+        with pytest.raises(ValueError, match="wait for it first"):
+            d.propose_at(1, K, 0)
+        with pytest.raises(ValueError, match="wait for it first"):
+            d.propose_at_async(1, K, 0)
+        got = d.wait()
+        assert task_count() == tasks + 1                       # one worker, kept for the next request
+        assert got == ref.propose_at(first[K], K, K + 1, guess=True) and len(got) == K + 1
+        with pytest.raises(ValueError, match="no asynchronous proposal"):
+            d.wait()
+        d.commit_keep(K + 1)
+        ref.commit_keep(K + 1)
+        d.commit(K + 1)
+        ref.commit(K + 1)
+        assert np.array_equal(d.step(7), ref.step(7))
+        with pytest.raises(ValueError, match="ring"):
+            d.propose_at_async(1, 2 * K + 2, 0)                # a bad request fails at once
+        d.propose_at_async(5, K, 0, True)
+        d.reset()                                             # finishes the request, then resets
+        assert d.pos == 0
+        d.propose_at_async(5, K, 0)
+    assert task_count() == tasks0                              # close joined the worker while busy
+
+
 def test_reset_reproduces(small_weights):
     toks = golden_tokens(SMALL, 6, seed=9)
     with draft.CDraft(SMALL, small_weights) as d:

@@ -22,7 +22,9 @@ def toks(n, seed=0):
 
 
 def state_arrays(st):
-    arrs = [a for d in (st.ring_S, st.ring_tail) for v in d.values() for a in v]
+    """Every ring slot's (S, tail) as arrays (a slot written from a pass's stacked
+    output becomes its row view when first read) and the KV caches."""
+    arrs = [a for i in st.gdn_layers for slot in range(st.ring) for a in st.slot_gdn(i, slot)]
     arrs += list(st.k_cache.values()) + list(st.v_cache.values())
     return arrs
 
@@ -33,8 +35,7 @@ def test_commit_moves_indices_only(model, n):
     model.prefill(toks(7), st)
     model.forward(toks(5, 1), st)
     R = st.ring
-    expect = {i: (st.ring_S[i][(st.read + n) % R], st.ring_tail[i][(st.read + n) % R])
-              for i in st.gdn_layers}
+    expect = {i: st.slot_gdn(i, (st.read + n) % R) for i in st.gdn_layers}
     mx.eval(state_arrays(st))
     ids_before = [id(a) for a in state_arrays(st)]
     mem_before = mx.get_active_memory()
@@ -52,9 +53,9 @@ def test_forward_writes_ring_slots_after_read(model):
     st = model.new_state()
     model.prefill(toks(3), st)
     r0 = st.read
-    before = list(st.ring_S[0])
+    before = [st.slot_gdn(0, k)[0] for k in range(st.ring)]
     model.forward(toks(2, 2), st)
-    changed = [k for k in range(st.ring) if st.ring_S[0][k] is not before[k]]
+    changed = [k for k in range(st.ring) if st.slot_gdn(0, k)[0] is not before[k]]
     assert changed == sorted([(r0 + 1) % st.ring, (r0 + 2) % st.ring])
     assert st.committed_gdn(0)[0] is before[r0]
 

@@ -12,6 +12,8 @@
 // their strides).  Each primitive runs on the CPU stream's worker thread like
 // MLX's own CPU ops (CommandEncoder::dispatch).  Reference: MLXOps, checked in
 // tests/test_cpu_ops.py against it and against the float64 numpy reference.
+#include <atomic>
+#include <chrono>
 #include <cmath>
 #include <cstdint>
 #include <memory>
@@ -19,7 +21,14 @@
 #include <string>
 #include <vector>
 
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
+
 #include <nanobind/nanobind.h>
+#include <nanobind/stl/map.h>
+#include <nanobind/stl/pair.h>
+#include <nanobind/stl/string.h>
 #include <nanobind/stl/vector.h>
 
 #include "mlx/allocator.h"
@@ -39,6 +48,43 @@ namespace nb = nanobind;
 namespace mx = mlx::core;
 
 namespace {
+
+// AVX2 variants of the hot loops (x86-64), chosen once at load time when the CPU
+// has AVX2.  Each does exactly the float operations of its scalar reference in
+// the same order (separate multiply and add, -ffp-contract=off; the same 8-lane
+// partial sums and reduction tree as dot()), so both give identical bits.
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#define SPEL_AVX2 1
+#define SPEL_TARGET_AVX2 __attribute__((target("avx2")))
+const bool HAVE_AVX2 = __builtin_cpu_supports("avx2");
+#else
+#define SPEL_AVX2 0
+const bool HAVE_AVX2 = false;
+#endif
+std::atomic<bool> simd_allowed{true};   // set_simd(False): the scalar references (tests)
+inline bool use_avx2() { return HAVE_AVX2 && simd_allowed.load(std::memory_order_relaxed); }
+
+// Optional per-primitive timing of the worker-thread bodies (profile(True)):
+// where a pass's compute goes, beside the MLX nodes between them.
+enum ProfKind { P_LINEAR, P_CONV, P_DELTA, P_ATTEND, P_ROWWISE, P_KINDS };
+const char* const PROF_NAMES[P_KINDS] = {"linear", "conv", "delta", "attend", "rowwise"};
+std::atomic<bool> prof_on{false};
+std::atomic<int64_t> prof_ns[P_KINDS], prof_calls[P_KINDS];
+
+struct ProfScope {
+  ProfKind kind;
+  bool on;
+  std::chrono::steady_clock::time_point t0;
+  explicit ProfScope(ProfKind k) : kind(k), on(prof_on.load(std::memory_order_relaxed)) {
+    if (on) t0 = std::chrono::steady_clock::now();
+  }
+  ~ProfScope() {
+    if (!on) return;
+    auto ns = std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - t0);
+    prof_ns[kind] += ns.count();
+    prof_calls[kind] += 1;
+  }
+};
 
 // Element (i, j, k) of a 1- to 3-D array through its strides (in elements).
 struct View {
@@ -101,6 +147,7 @@ class SpelConv : public mx::Primitive {
     enc.dispatch([x = mx::array::unsafe_weak_copy(in[0]), tail = mx::array::unsafe_weak_copy(in[1]),
                   conv = mx::array::unsafe_weak_copy(in[2]), u = mx::array::unsafe_weak_copy(out[0]),
                   tails = mx::array::unsafe_weak_copy(out[1])]() mutable {
+      ProfScope prof_(P_CONV);
       const int64_t M = x.shape(0), d = x.shape(1);
       View X(x), T(tail), C(conv);
       float* U = u.data<float>();
@@ -124,7 +171,7 @@ class SpelConv : public mx::Primitive {
 // --- gated delta rule -------------------------------------------------------
 // The recurrence of one head over M tokens, from S0 (or the previous token's
 // state in S_all): S_t = a S + beta (v - S k) k^T, o_t = S_t q / sqrt(hd).
-void delta_head(const float* S0, float* SA, float* O, int64_t M, int64_t H, int64_t h, int64_t hd,
+void delta_head_ref(const float* S0, float* SA, float* O, int64_t M, int64_t H, int64_t h, int64_t hd,
                 float ah, float bh, const float* const* q, const float* const* k,
                 const float* const* v, const View* S0v) {
   const float scale = 1.0f / std::sqrt(static_cast<float>(hd));
@@ -137,6 +184,9 @@ void delta_head(const float* S0, float* SA, float* O, int64_t M, int64_t H, int6
         for (int64_t j = 0; j < hd; j++) row[j] = prow[j];
       } else if (S0) {
         for (int64_t j = 0; j < hd; j++) row[j] = S0[i * hd + j];
+      } else if (S0v->s[2] == 1) {
+        const float* src = S0v->p + h * S0v->s[0] + i * S0v->s[1];
+        for (int64_t j = 0; j < hd; j++) row[j] = src[j];
       } else {
         for (int64_t j = 0; j < hd; j++) row[j] = S0v->at(h, i, j);
       }
@@ -145,6 +195,71 @@ void delta_head(const float* S0, float* SA, float* O, int64_t M, int64_t H, int6
       O[(t * H + h) * hd + i] = dot(row, q[t], hd) * scale;
     }
   }
+}
+
+#if SPEL_AVX2
+// dot() of 8 rows at once: acc[r] holds row r's 8 lane sums; returns the 8 dots
+// with dot()'s tree ((0+1)+(2+3))+((4+5)+(6+7)) per row (hadd adds adjacent pairs).
+SPEL_TARGET_AVX2 inline __m256 reduce8(const __m256* acc) {
+  const __m256 h01 = _mm256_hadd_ps(acc[0], acc[1]), h23 = _mm256_hadd_ps(acc[2], acc[3]);
+  const __m256 h45 = _mm256_hadd_ps(acc[4], acc[5]), h67 = _mm256_hadd_ps(acc[6], acc[7]);
+  const __m256 g0 = _mm256_hadd_ps(h01, h23), g1 = _mm256_hadd_ps(h45, h67);   // [lo r0-3 | hi r0-3]
+  return _mm256_add_ps(_mm256_permute2f128_ps(g0, g1, 0x20), _mm256_permute2f128_ps(g0, g1, 0x31));
+}
+
+// delta_head_ref for hd a multiple of 8, eight state rows at a time.
+SPEL_TARGET_AVX2 void delta_head_avx2(float* SA, float* O, int64_t M, int64_t H, int64_t h,
+                                      int64_t hd, float ah, float bh, const float* const* q,
+                                      const float* const* k, const float* const* v, const View* S0v) {
+  const float scale = 1.0f / std::sqrt(static_cast<float>(hd));
+  const __m256 a8 = _mm256_set1_ps(ah), b8 = _mm256_set1_ps(bh), sc8 = _mm256_set1_ps(scale);
+  __m256 acc[8];
+  for (int64_t t = 0; t < M; t++) {
+    float* St = SA + ((t * H + h) * hd) * hd;
+    const float* kt = k[t];
+    const float* qt = q[t];
+    for (int64_t i0 = 0; i0 < hd; i0 += 8) {
+      const float* prev[8];
+      for (int r = 0; r < 8; r++)
+        prev[r] = t ? SA + (((t - 1) * H + h) * hd + i0 + r) * hd
+                    : S0v->p + h * S0v->s[0] + (i0 + r) * S0v->s[1];
+      for (int r = 0; r < 8; r++) {                                     // S k, 8 rows
+        __m256 s = _mm256_setzero_ps();
+        for (int64_t j = 0; j < hd; j += 8)
+          s = _mm256_add_ps(s, _mm256_mul_ps(_mm256_loadu_ps(prev[r] + j), _mm256_loadu_ps(kt + j)));
+        acc[r] = s;
+      }
+      const __m256 err = _mm256_mul_ps(b8, _mm256_sub_ps(_mm256_loadu_ps(v[t] + i0), reduce8(acc)));
+      alignas(32) float e[8];
+      _mm256_store_ps(e, err);
+      for (int r = 0; r < 8; r++) {                                     // S' = a S + err k^T; S' q
+        float* row = St + (i0 + r) * hd;
+        const __m256 er = _mm256_set1_ps(e[r]);
+        __m256 s = _mm256_setzero_ps();
+        for (int64_t j = 0; j < hd; j += 8) {
+          const __m256 x = _mm256_add_ps(_mm256_mul_ps(a8, _mm256_loadu_ps(prev[r] + j)),
+                                         _mm256_mul_ps(er, _mm256_loadu_ps(kt + j)));
+          _mm256_storeu_ps(row + j, x);
+          s = _mm256_add_ps(s, _mm256_mul_ps(x, _mm256_loadu_ps(qt + j)));
+        }
+        acc[r] = s;
+      }
+      _mm256_storeu_ps(O + (t * H + h) * hd + i0, _mm256_mul_ps(reduce8(acc), sc8));
+    }
+  }
+}
+#endif
+
+// One head's recurrence from the state view S0v (its rows contiguous for AVX2).
+void delta_head(float* SA, float* O, int64_t M, int64_t H, int64_t h, int64_t hd, float ah, float bh,
+                const float* const* q, const float* const* k, const float* const* v, const View* S0v) {
+#if SPEL_AVX2
+  if (use_avx2() && hd % 8 == 0 && S0v->s[2] == 1) {
+    delta_head_avx2(SA, O, M, H, h, hd, ah, bh, q, k, v, S0v);
+    return;
+  }
+#endif
+  delta_head_ref(nullptr, SA, O, M, H, h, hd, ah, bh, q, k, v, S0v);
 }
 
 // Inputs q, k, v [M,H,hd] (q, k unit), a, beta [H], S0 [H,hd,hd]; outputs o, S_all.
@@ -170,6 +285,7 @@ class SpelDelta : public mx::Primitive {
     for (auto& a : in) ins.push_back(mx::array::unsafe_weak_copy(a));
     for (auto& o : out) outs.push_back(mx::array::unsafe_weak_copy(o));
     enc.dispatch([ins = std::move(ins), outs = std::move(outs), raw = raw_]() mutable {
+      ProfScope prof_(P_DELTA);
       const int64_t M = outs[0].shape(0), H = outs[0].shape(1), hd = outs[0].shape(2);
       const int n_in = raw ? 1 : 3;
       View A(ins[n_in]), B(ins[n_in + 1]), S0v(ins[n_in + 2]);
@@ -210,7 +326,7 @@ class SpelDelta : public mx::Primitive {
           kp[t] = kb;
           vp[t] = vb;
         }
-        delta_head(nullptr, SA, O, M, H, h, hd, A.at(h), B.at(h), qp.data(), kp.data(), vp.data(), &S0v);
+        delta_head(SA, O, M, H, h, hd, A.at(h), B.at(h), qp.data(), kp.data(), vp.data(), &S0v);
       }
     });
   }
@@ -235,6 +351,7 @@ class SpelAttend : public mx::Primitive {
     enc.dispatch([q = mx::array::unsafe_weak_copy(in[0]), kc = mx::array::unsafe_weak_copy(in[1]),
                   vc = mx::array::unsafe_weak_copy(in[2]), pos = mx::array::unsafe_weak_copy(in[3]),
                   o = mx::array::unsafe_weak_copy(out[0])]() mutable {
+      ProfScope prof_(P_ATTEND);
       const int64_t M = q.shape(0), H = q.shape(1), hd = q.shape(2), W = kc.shape(0);
       const int64_t pos0 = pos.data<int32_t>()[0];
       View Q(q), Kc(kc), Vc(vc);
@@ -292,6 +409,50 @@ inline float silu_mul1(float a, float b) {
   return (a * b) / (1.0f + p * two_n.f);
 }
 
+// y = silu(a) * b over n contiguous elements (silu_mul1 per element).
+void silu_mul_ref(const float* a, const float* b, float* y, int64_t n) {
+  for (int64_t c = 0; c < n; c++) y[c] = silu_mul1(a[c], b[c]);
+}
+
+#if SPEL_AVX2
+// silu_mul1 eight at a time: the same operations (the clamps keep a NaN like the
+// scalar conditionals: max/min return their second operand when unordered).
+SPEL_TARGET_AVX2 void silu_mul_avx2(const float* a, const float* b, float* y, int64_t n) {
+  const __m256 lo = _mm256_set1_ps(-126.0f), hi = _mm256_set1_ps(126.0f);
+  const __m256 zero = _mm256_setzero_ps(), one = _mm256_set1_ps(1.0f);
+  const __m256 nlog2e = _mm256_set1_ps(-LOG2E), log2e = _mm256_set1_ps(LOG2E);
+  const __m256 ln2hi = _mm256_set1_ps(LN2_HI), ln2lo = _mm256_set1_ps(LN2_LO);
+  const __m256 sign = _mm256_set1_ps(-0.0f);
+  int64_t c = 0;
+  for (; c + 8 <= n; c += 8) {
+    const __m256 x = _mm256_loadu_ps(a + c), w = _mm256_loadu_ps(b + c);
+    __m256 t = _mm256_mul_ps(x, nlog2e);
+    t = _mm256_min_ps(hi, _mm256_max_ps(lo, t));
+    const __m256 nn = _mm256_floor_ps(t);
+    const __m256 r = _mm256_sub_ps(_mm256_sub_ps(_mm256_xor_ps(x, sign), _mm256_mul_ps(nn, ln2hi)),
+                                   _mm256_mul_ps(nn, ln2lo));
+    __m256 f = _mm256_mul_ps(r, log2e);
+    f = _mm256_min_ps(one, _mm256_max_ps(zero, f));
+    __m256 p = _mm256_set1_ps(EXP2_FRACTION[0]);
+    for (int i = 1; i < 7; i++) p = _mm256_add_ps(_mm256_mul_ps(p, f), _mm256_set1_ps(EXP2_FRACTION[i]));
+    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvttps_epi32(nn), _mm256_set1_epi32(127)), 23);
+    const __m256 den = _mm256_add_ps(one, _mm256_mul_ps(p, _mm256_castsi256_ps(e)));
+    _mm256_storeu_ps(y + c, _mm256_div_ps(_mm256_mul_ps(x, w), den));
+  }
+  silu_mul_ref(a + c, b + c, y + c, n - c);
+}
+#endif
+
+void silu_mul_row(const float* a, const float* b, float* y, int64_t n) {
+#if SPEL_AVX2
+  if (use_avx2()) {
+    silu_mul_avx2(a, b, y, n);
+    return;
+  }
+#endif
+  silu_mul_ref(a, b, y, n);
+}
+
 class SpelRowwise : public mx::Primitive {
  public:
   enum Kind { RMS_NORM, SILU_MUL };
@@ -311,19 +472,29 @@ class SpelRowwise : public mx::Primitive {
     enc.set_output_array(out[0]);
     enc.dispatch([x = mx::array::unsafe_weak_copy(in[0]), w = mx::array::unsafe_weak_copy(in[1]),
                   y = mx::array::unsafe_weak_copy(out[0]), kind = kind_, eps = eps_]() mutable {
+      ProfScope prof_(P_ROWWISE);
       const int64_t R = x.shape(0), d = x.shape(1);
       View X(x), Wv(w);
       float* Y = y.data<float>();
       std::vector<float> xb(d), wb(d);
+      // row r of an array as a contiguous pointer (a copy into buf when strided)
+      auto row = [d](const View& v, const mx::array& arr, int64_t r, std::vector<float>& buf) {
+        const int64_t sc = arr.ndim() == 2 ? v.s[1] : v.s[0];
+        const float* p = v.p + (arr.ndim() == 2 ? r * v.s[0] : 0);
+        if (sc == 1) return p;
+        for (int64_t c = 0; c < d; c++) buf[c] = p[c * sc];
+        return static_cast<const float*>(buf.data());
+      };
       for (int64_t r = 0; r < R; r++) {
-        for (int64_t c = 0; c < d; c++) xb[c] = X.at(r, c);
+        const float* xr = row(X, x, r, xb);
         float* yr = Y + r * d;
         if (kind == RMS_NORM) {
-          const float ms = dot(xb.data(), xb.data(), d) / static_cast<float>(d);
+          const float ms = dot(xr, xr, d) / static_cast<float>(d);
           const float inv = 1.0f / std::sqrt(ms + eps);
-          for (int64_t c = 0; c < d; c++) yr[c] = Wv.at(c) * (xb[c] * inv);
+          const float* wr = row(Wv, w, 0, wb);
+          for (int64_t c = 0; c < d; c++) yr[c] = wr[c] * (xr[c] * inv);
         } else {
-          for (int64_t c = 0; c < d; c++) yr[c] = silu_mul1(xb[c], Wv.at(r, c));
+          silu_mul_row(xr, row(Wv, w, r, wb), yr, d);
         }
       }
     });
@@ -351,6 +522,7 @@ class SpelLinear : public mx::Primitive {
     enc.set_output_array(out[0]);
     enc.dispatch([x = mx::array::unsafe_weak_copy(in[0]), wb = mx::array::unsafe_weak_copy(in[1]),
                   y = mx::array::unsafe_weak_copy(out[0])]() mutable {
+      ProfScope prof_(P_LINEAR);
       const int64_t M = x.shape(0), d_in = x.shape(1);
       const int64_t nb = wb.shape(0), rb = wb.shape(2), d_out = nb * rb;
       std::vector<float> xc;
@@ -452,6 +624,24 @@ mx::array linear(const mx::array& x, const mx::array& blocks) {
                    std::make_shared<SpelLinear>(cpu_stream()), {x, blocks});
 }
 
+// Turn timing on/off; returns {kind: (calls, seconds)} accumulated so far and resets it.
+std::map<std::string, std::pair<int64_t, double>> profile(bool enable) {
+  std::map<std::string, std::pair<int64_t, double>> out;
+  for (int k = 0; k < P_KINDS; k++) {
+    out[PROF_NAMES[k]] = {prof_calls[k].exchange(0), prof_ns[k].exchange(0) * 1e-9};
+  }
+  prof_on = enable;
+  return out;
+}
+
+// The SIMD variant in use ("avx2" or "none"); set_simd(False) forces the scalar
+// references (the variants must give the same bits: tests/test_cpu_ops.py).
+std::string simd() { return use_avx2() ? "avx2" : "none"; }
+bool set_simd(bool enable) {
+  bool was = simd_allowed.exchange(enable);
+  return was;
+}
+
 }  // namespace
 
 NB_MODULE(_spel_cpu, m) {
@@ -464,5 +654,9 @@ NB_MODULE(_spel_cpu, m) {
   m.def("rms_norm", &rms_norm, nb::arg("x"), nb::arg("weight"), nb::arg("eps"));
   m.def("silu_mul", &silu_mul, nb::arg("a"), nb::arg("b"));
   m.def("gdn_delta", &gdn_delta, nb::arg("qkv"), nb::arg("a"), nb::arg("beta"), nb::arg("S0"));
+  m.def("simd", &simd, "The SIMD variant the primitives use (\"avx2\" or \"none\")");
+  m.def("set_simd", &set_simd, nb::arg("enable"), "Allow (default) or forbid the SIMD variants; returns the old setting");
+  m.def("profile", &profile, nb::arg("enable"),
+        "Time the primitives' bodies (enable); returns and resets {kind: (calls, seconds)}");
   m.def("attend", &attend, nb::arg("q"), nb::arg("k_cache"), nb::arg("v_cache"), nb::arg("pos0"));
 }
