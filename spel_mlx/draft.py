@@ -299,6 +299,19 @@ class CDraft:
             raise ValueError(f"token {int(bad)} out of range 0..{self.cfg.vocab - 1}")
         return toks.astype(np.int32)
 
+    def _token(self, t) -> int:
+        t = int(t)
+        if not 0 <= t < self.cfg.vocab:
+            raise ValueError(f"token {t} out of range 0..{self.cfg.vocab - 1}")
+        return t
+
+    def _proposal_buffer(self):
+        # one int32 buffer per engine for proposals (k + 1 <= ring): no array per round
+        buf = self.__dict__.get("_prop_buf")
+        if buf is None:
+            buf = self._prop_buf = ffi.new("int32_t[]", int(self.ring) + 2)
+        return buf
+
     # --- API
     @property
     def pos(self) -> int:
@@ -323,35 +336,34 @@ class CDraft:
 
     def propose(self, pending: int, k: int) -> list:
         """Greedy d_0..d_{k-1} from pending: k+1 forwards (the last one covers d_{k-1}), no commit."""
-        out = np.zeros(max(int(k), 1), np.int32)
-        self._check(lib.spel_draft_propose(self._live(), int(self._tokens([pending])[0]), int(k),
-                                           _ptr("int32_t", out)))
-        return [int(t) for t in out[:k]]
+        out = self._proposal_buffer()
+        self._check(lib.spel_draft_propose(self._live(), self._token(pending), int(k), out))
+        return ffi.unpack(out, int(k))
 
     def propose_at(self, pending: int, k: int, start: int, guess: bool = False) -> list:
         """propose continuing the uncommitted batch at offset ``start`` (the k+1
         forwards take offsets start..start+k).  ``guess``: the last forward also runs
         the head and the result has k+1 tokens, the last being the draft's guess at
         the token after d_{k-1}."""
-        out = np.zeros(int(k) + 1, np.int32)
-        self._check(lib.spel_draft_propose_at(self._live(), int(self._tokens([pending])[0]), int(k),
-                                              int(start), int(bool(guess)), _ptr("int32_t", out)))
-        return [int(t) for t in out[:k + (1 if guess else 0)]]
+        out = self._proposal_buffer()
+        self._check(lib.spel_draft_propose_at(self._live(), self._token(pending), int(k), int(start),
+                                              int(bool(guess)), out))
+        return ffi.unpack(out, int(k) + (1 if guess else 0))
 
     def propose_at_async(self, pending: int, k: int, start: int, guess: bool = False) -> None:
         """Start propose_at on the draft's own native thread and return at once (no
         Python thread, so it starts while the caller holds the GIL); ``wait`` gives
         the result.  Until then every other call fails."""
-        self._check(lib.spel_draft_propose_at_async(self._live(), int(self._tokens([pending])[0]), int(k),
-                                                    int(start), int(bool(guess))))
+        self._check(lib.spel_draft_propose_at_async(self._live(), self._token(pending), int(k), int(start),
+                                                    int(bool(guess))))
         self._async = int(k) + (1 if guess else 0)
 
     def wait(self) -> list:
         """The tokens of the proposal started by propose_at_async (blocks until done)."""
         n, self._async = getattr(self, "_async", 0), 0
-        out = np.zeros(max(n, 1), np.int32)
-        self._check(lib.spel_draft_wait(self._live(), _ptr("int32_t", out)))
-        return [int(t) for t in out[:n]]
+        out = self._proposal_buffer()
+        self._check(lib.spel_draft_wait(self._live(), out))
+        return ffi.unpack(out, n)
 
     def commit(self, n: int):
         self._check(lib.spel_draft_commit(self._live(), int(n)))

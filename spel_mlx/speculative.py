@@ -278,7 +278,10 @@ class PipelinedCDraft(CDraftEngine):
             self._ready = None              # a kept continuation is overwritten by the new batch
             return super().propose(history, pending, k, params, rng)
         ready, self._ready = self._ready, None
-        if ready is not None and ready[0] == int(pending) and len(ready[1]) == k:
+        # a kept continuation is valid only right after its round: same pending, same K,
+        # and no tokens committed meanwhile without this draft (auto's n-gram rounds)
+        if ready is not None and ready[0] == int(pending) and len(ready[1]) == k and \
+                self.pos == len(history):
             proposal, guess = ready[1], ready[2]         # drafted during the last verify
             self.hits += 1
         else:

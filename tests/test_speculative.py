@@ -498,6 +498,28 @@ def test_real_c_draft_ahead_fidelity_and_max_seq(tiny):
         draft.close()
 
 
+def test_c_draft_ahead_continuation_is_dropped_when_the_draft_fell_behind(tiny):
+    """A continuation kept for "pending == guess" is not used once tokens were committed
+    without the draft (an n-gram round in auto): the proposal is the fresh one."""
+    _cdraft_or_skip()
+    K, prompt = 4, tiny.prompts[0]
+    ahead = sp.make_draft("c", tiny.model, tiny.w, k=K, threads=1, pipeline=True)
+    plain = sp.make_draft("c", tiny.model, tiny.w, k=K, threads=1)
+    history, pending = list(prompt[:-1]), prompt[-1]
+    ahead.reset()
+    first, _ = ahead.propose(history, pending, K, smp.GREEDY, None)
+    ahead.commit(K + 1)                                   # all accepted: the continuation is kept
+    guess = ahead._ready[0]
+    history += [pending] + first
+    later = history + [guess, 5, 6]                       # three tokens the draft never saw
+    got, _ = ahead.propose(later, guess, K, smp.GREEDY, None)
+    plain.reset()
+    want, _ = plain.propose(later, guess, K, smp.GREEDY, None)
+    assert got == want and ahead.hits == 0 and ahead.pos == len(later)
+    ahead.close()
+    plain.close()
+
+
 def test_shipped_c_draft_ahead_hits_and_equals_ar():
     """On the shipped model the drafted-ahead proposals are used (hits) and the
     output is still the ar output, greedy and with a sampling fallback."""
