@@ -76,6 +76,17 @@ class CPUFusedOps(MLXOps):
         unit q, unit k (L2 norm + delta_rule in one node)."""
         return _spel_cpu.gdn_delta(qkv, a, beta, S0)
 
+    def ffn_block(self, h, norm_weight, w1, w3, w2, eps: float):
+        """Optional whole FFN sub-block: h + w2(silu(w1 xn) * w3 xn), xn = rmsnorm(h),
+        from the three Linears' [nb, in, rb] blocks: one node, the same bits as the
+        separate primitives."""
+        return _spel_cpu.ffn_block(h, norm_weight, w1, w3, w2, float(eps))
+
+    def gdn_block(self, x, norm_weight, tail, conv, wqkv, a, beta, S0, wo, eps: float):
+        """Optional whole GDN sub-block: x + wo(delta rule(L2 norm(wqkv(conv(rmsnorm(x))))))
+        -> (x', S_all [M,H,hd,hd], tails [M,2,d], unit q, unit k); one node."""
+        return _spel_cpu.gdn_block(x, norm_weight, tail, conv, wqkv, a, beta, S0, wo, float(eps))
+
     def attend(self, q, k_cache, v_cache, pos0, M):
         if not isinstance(pos0, mx.array):
             pos0 = mx.array(pos0, dtype=mx.int32)

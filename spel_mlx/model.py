@@ -318,6 +318,13 @@ class Linear(nn.Module):
                 cache[1][rb] = view
         return view
 
+    def blocks(self, M: int):
+        """The warm [nb, in, rb] blocks an M-row fused call uses (see warm), or None."""
+        cache = self.__dict__.get("_views")
+        if cache is None or cache[0] is not self.weight:
+            return None
+        return cache[1].get(("3d", _row_block(self.weight.shape[0], self.weight.shape[1], M)))
+
     def warm(self, M: int, blocks: bool = False) -> None:
         """Build the weight layout an M-row call uses (see weight_view);
         ``blocks``: also as a 3-D [nb, in, rb] array (one block for a plain
@@ -766,11 +773,38 @@ class SpelModel(nn.Module):
                 lin.warm(M, blocks=hasattr(ops, "linear"))
         self.lm_head.warm(M, blocks=hasattr(ops, "linear"))
 
+        # whole sub-blocks as single nodes (CPU ops with ffn_block/gdn_block)
+        fused = {}
+        if hasattr(ops, "ffn_block") and hasattr(ops, "gdn_block"):
+            for li, blk in enumerate(layers):
+                mlp = [lin.blocks(M) for lin in (blk.mlp.w1, blk.mlp.w3, blk.mlp.w2)]
+                mix = [blk.mixer.wqkv.blocks(M), blk.mixer.wo.blocks(M)] if blk.kind == "gdn" else []
+                if all(b is not None for b in mlp + mix):
+                    fused[li] = (mlp, mix)
+
         def one_pass(tokens, pos, gdn_in, kv_in):
             x = self.tok_emb(tokens)
             gdn_out, kv_out, qk = [], [], []
             gi = ai = 0
-            for blk in layers:
+            for li, blk in enumerate(layers):
+                if li in fused:
+                    mlp, mix = fused[li]
+                    if blk.kind == "gdn":
+                        g = blk.mixer.gates(M)
+                        h, states, tails, q, k = ops.gdn_block(
+                            x, blk.attn_norm.weight, gdn_in[2 * gi + 1], blk.mixer.conv, mix[0],
+                            g["a"], g["b"], gdn_in[2 * gi], mix[1], blk.attn_norm.eps)
+                        gdn_out += [states, tails]
+                        qk += [q, k]
+                        gi += 1
+                    else:
+                        xn = _rms_norm(ops, x, blk.attn_norm)
+                        out, kc, vc = blk.mixer(xn, kv_in[2 * ai], kv_in[2 * ai + 1], pos, window, ops)
+                        kv_out += [kc, vc]
+                        ai += 1
+                        h = x + out
+                    x = ops.ffn_block(h, blk.ffn_norm.weight, *mlp, blk.ffn_norm.eps)
+                    continue
                 xn = _rms_norm(ops, x, blk.attn_norm)
                 if blk.kind == "gdn":
                     out, states, tails, q, k = blk.mixer(xn, gdn_in[2 * gi], gdn_in[2 * gi + 1], ops)

@@ -249,3 +249,50 @@ def test_fused_strict_batches_are_bit_identical_and_rollback_is_exact(models):
     st.commit(2)
     got = np.array(fused.forward(toks[22:27], st, strict=True))
     assert np.array_equal(got, seq[22:27])
+
+
+class _SeparateOps(cpu_ops.CPUFusedOps):
+    """The fused CPU ops without the whole-sub-block primitives (one node per op)."""
+
+    @property
+    def ffn_block(self):
+        raise AttributeError("ffn_block")
+
+    @property
+    def gdn_block(self):
+        raise AttributeError("gdn_block")
+
+
+@pytest.mark.parametrize("strict,batch", [(True, 1), (False, 5), (False, 9)])
+def test_sub_block_primitives_give_the_same_bits_as_separate_ones(models, strict, batch):
+    w, fused, _ = models
+    sep = SpelModel.from_weights(CFG, w)
+    sep.set_ops(_SeparateOps())
+    toks = np.random.default_rng(3).integers(0, CFG.vocab, 45)
+    assert np.array_equal(_decode(fused, toks, strict, batch), _decode(sep, toks, strict, batch))
+    # and the states they leave (every GDN layer's S and conv tail, the KV caches)
+    states = []
+    for m in (fused, sep):
+        st = m.new_state(ring=10)
+        m.prefill(toks[:30].tolist(), st)
+        m.forward(toks[30:35], st)
+        st.commit(3)
+        states.append([np.asarray(a) for i in st.gdn_layers for a in st.committed_gdn(i)] +
+                      [np.asarray(st.k_cache[i][:33]) for i in st.attn_layers])
+    assert all(np.array_equal(a, b) for a, b in zip(*states))
+
+
+def test_sub_block_shape_errors(ops):
+    from spel_mlx import _spel_cpu as E
+    h, norm = mx.zeros((2, 8)), mx.ones((8,))
+    b_in, b_out = mx.zeros((1, 8, 16)), mx.zeros((1, 16, 8))
+    assert E.ffn_block(h, norm, b_in, b_in, b_out, 1e-5).shape == (2, 8)
+    with pytest.raises(ValueError, match="w2 blocks must be"):
+        E.ffn_block(h, norm, b_in, b_in, b_in, 1e-5)
+    strided = mx.arange(128, dtype=mx.float32).reshape(1, 16, 8).transpose(0, 2, 1)
+    mx.eval(strided)                                   # an evaluated transposed view
+    with pytest.raises(ValueError, match="contiguous"):
+        E.ffn_block(h, norm, strided, b_in, b_out, 1e-5)
+    with pytest.raises(ValueError, match=r"S0 \[H, hd, hd\]"):
+        E.gdn_block(h, norm, mx.zeros((2, 8)), mx.zeros((3, 8)), mx.zeros((1, 8, 12)), mx.ones((1,)),
+                    mx.ones((1,)), mx.zeros((1, 4, 5)), mx.zeros((1, 4, 8)), 1e-5)

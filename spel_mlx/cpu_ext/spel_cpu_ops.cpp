@@ -66,8 +66,8 @@ inline bool use_avx2() { return HAVE_AVX2 && simd_allowed.load(std::memory_order
 
 // Optional per-primitive timing of the worker-thread bodies (profile(True)):
 // where a pass's compute goes, beside the MLX nodes between them.
-enum ProfKind { P_LINEAR, P_CONV, P_DELTA, P_ATTEND, P_ROWWISE, P_KINDS };
-const char* const PROF_NAMES[P_KINDS] = {"linear", "conv", "delta", "attend", "rowwise"};
+enum ProfKind { P_LINEAR, P_CONV, P_DELTA, P_ATTEND, P_ROWWISE, P_BLOCK, P_KINDS };
+const char* const PROF_NAMES[P_KINDS] = {"linear", "conv", "delta", "attend", "rowwise", "block"};
 std::atomic<bool> prof_on{false};
 std::atomic<int64_t> prof_ns[P_KINDS], prof_calls[P_KINDS];
 
@@ -93,6 +93,7 @@ struct View {
   View(const mx::array& a) : p(a.data<float>()) {
     for (size_t i = 0; i < a.ndim() && i < 3; i++) s[i] = a.strides()[i];
   }
+  View(const float* ptr, int64_t s0, int64_t s1 = 0, int64_t s2 = 0) : p(ptr), s{s0, s1, s2} {}
   float at(int64_t i, int64_t j = 0, int64_t k = 0) const { return p[i * s[0] + j * s[1] + k * s[2]]; }
 };
 
@@ -130,6 +131,22 @@ inline const float* head_row(const View& v, int64_t r, int64_t h, int64_t hd, fl
 }
 
 // --- conv ------------------------------------------------------------------
+// u = silu(causal 3-tap conv over [tail; x]) [M, d] and the M conv tails [M, 2, d]
+void conv_body(const View& X, const View& T, const View& C, int64_t M, int64_t d, float* U, float* TL) {
+  // row r of [tail; x]: r < 2 from the tail, else x[r - 2]
+  auto xs = [&](int64_t r, int64_t c) { return r < 2 ? T.at(r, c) : X.at(r - 2, c); };
+  for (int64_t m = 0; m < M; m++) {
+    for (int64_t c = 0; c < d; c++) {
+      float a0 = xs(m, c), a1 = xs(m + 1, c), a2 = xs(m + 2, c);
+      float pre = C.at(0, c) * a0 + C.at(1, c) * a1;
+      pre = pre + C.at(2, c) * a2;
+      U[m * d + c] = silu(pre);
+      TL[(m * 2) * d + c] = a1;
+      TL[(m * 2 + 1) * d + c] = a2;
+    }
+  }
+}
+
 class SpelConv : public mx::Primitive {
  public:
   explicit SpelConv(mx::Stream s) : mx::Primitive(s) {}
@@ -148,22 +165,7 @@ class SpelConv : public mx::Primitive {
                   conv = mx::array::unsafe_weak_copy(in[2]), u = mx::array::unsafe_weak_copy(out[0]),
                   tails = mx::array::unsafe_weak_copy(out[1])]() mutable {
       ProfScope prof_(P_CONV);
-      const int64_t M = x.shape(0), d = x.shape(1);
-      View X(x), T(tail), C(conv);
-      float* U = u.data<float>();
-      float* TL = tails.data<float>();
-      // row r of [tail; x]: r < 2 from the tail, else x[r - 2]
-      auto xs = [&](int64_t r, int64_t c) { return r < 2 ? T.at(r, c) : X.at(r - 2, c); };
-      for (int64_t m = 0; m < M; m++) {
-        for (int64_t c = 0; c < d; c++) {
-          float a0 = xs(m, c), a1 = xs(m + 1, c), a2 = xs(m + 2, c);
-          float pre = C.at(0, c) * a0 + C.at(1, c) * a1;
-          pre = pre + C.at(2, c) * a2;
-          U[m * d + c] = silu(pre);
-          TL[(m * 2) * d + c] = a1;
-          TL[(m * 2 + 1) * d + c] = a2;
-        }
-      }
+      conv_body(View(x), View(tail), View(conv), x.shape(0), x.shape(1), u.data<float>(), tails.data<float>());
     });
   }
 };
@@ -262,6 +264,44 @@ void delta_head(float* SA, float* O, int64_t M, int64_t H, int64_t h, int64_t hd
   delta_head_ref(nullptr, SA, O, M, H, h, hd, ah, bh, q, k, v, S0v);
 }
 
+// The delta rule over all heads; rows(t, h, q, k, v) fills token t's head-h rows.
+template <class Rows>
+void delta_body(int64_t M, int64_t H, int64_t hd, const View& A, const View& B, const View& S0v, float* O,
+                float* SA, Rows rows) {
+  std::vector<float> buf(3 * M * hd);    // contiguous per-token rows of q, k, v for one head
+  std::vector<const float*> qp(M), kp(M), vp(M);
+  for (int64_t h = 0; h < H; h++) {
+    for (int64_t t = 0; t < M; t++) {
+      float* qb = buf.data() + (3 * t) * hd;
+      rows(t, h, qb, qb + hd, qb + 2 * hd);
+      qp[t] = qb;
+      kp[t] = qb + hd;
+      vp[t] = qb + 2 * hd;
+    }
+    delta_head(SA, O, M, H, h, hd, A.at(h), B.at(h), qp.data(), kp.data(), vp.data(), &S0v);
+  }
+}
+
+// From the raw projection X [M, 3*H*hd]: q, k L2-normalized (written to Qo, Ko), then the rule.
+void gdn_delta_body(const View& X, const View& A, const View& B, const View& S0v, int64_t M, int64_t H,
+                    int64_t hd, float* O, float* SA, float* Qo, float* Ko) {
+  delta_body(M, H, hd, A, B, S0v, O, SA, [&](int64_t t, int64_t h, float* qb, float* kb, float* vb) {
+    for (int64_t j = 0; j < hd; j++) {
+      qb[j] = X.at(t, h * hd + j);
+      kb[j] = X.at(t, (H + h) * hd + j);
+      vb[j] = X.at(t, (2 * H + h) * hd + j);
+    }
+    const float qi = 1.0f / std::sqrt(dot(qb, qb, hd) + 1e-6f);
+    const float ki = 1.0f / std::sqrt(dot(kb, kb, hd) + 1e-6f);
+    float* qo = Qo + (t * H + h) * hd;
+    float* ko = Ko + (t * H + h) * hd;
+    for (int64_t j = 0; j < hd; j++) {
+      qo[j] = qb[j] *= qi;
+      ko[j] = kb[j] *= ki;
+    }
+  });
+}
+
 // Inputs q, k, v [M,H,hd] (q, k unit), a, beta [H], S0 [H,hd,hd]; outputs o, S_all.
 // With raw=true the inputs are qkv [M, 3*H*hd] (the wqkv projection), a, beta, S0
 // and q, k are L2-normalized here (x / sqrt(sum x^2 + 1e-6), model.l2_normalize);
@@ -289,45 +329,20 @@ class SpelDelta : public mx::Primitive {
       const int64_t M = outs[0].shape(0), H = outs[0].shape(1), hd = outs[0].shape(2);
       const int n_in = raw ? 1 : 3;
       View A(ins[n_in]), B(ins[n_in + 1]), S0v(ins[n_in + 2]);
-      float* O = outs[0].data<float>();
-      float* SA = outs[1].data<float>();
-      // contiguous per-token rows of q, k, v for each head
-      std::vector<float> buf(3 * M * hd);
-      std::vector<const float*> qp(M), kp(M), vp(M);
-      for (int64_t h = 0; h < H; h++) {
-        for (int64_t t = 0; t < M; t++) {
-          float* qb = buf.data() + (3 * t) * hd;
-          float* kb = qb + hd;
-          float* vb = kb + hd;
-          if (raw) {
-            View X(ins[0]);
-            for (int64_t j = 0; j < hd; j++) {
-              qb[j] = X.at(t, h * hd + j);
-              kb[j] = X.at(t, (H + h) * hd + j);
-              vb[j] = X.at(t, (2 * H + h) * hd + j);
-            }
-            const float qi = 1.0f / std::sqrt(dot(qb, qb, hd) + 1e-6f);
-            const float ki = 1.0f / std::sqrt(dot(kb, kb, hd) + 1e-6f);
-            float* qo = outs[2].data<float>() + (t * H + h) * hd;
-            float* ko = outs[3].data<float>() + (t * H + h) * hd;
-            for (int64_t j = 0; j < hd; j++) {
-              qo[j] = qb[j] *= qi;
-              ko[j] = kb[j] *= ki;
-            }
-          } else {
-            View Q(ins[0]), K(ins[1]), V(ins[2]);
-            for (int64_t j = 0; j < hd; j++) {
-              qb[j] = Q.at(t, h, j);
-              kb[j] = K.at(t, h, j);
-              vb[j] = V.at(t, h, j);
-            }
-          }
-          qp[t] = qb;
-          kp[t] = kb;
-          vp[t] = vb;
-        }
-        delta_head(SA, O, M, H, h, hd, A.at(h), B.at(h), qp.data(), kp.data(), vp.data(), &S0v);
+      if (raw) {
+        gdn_delta_body(View(ins[0]), A, B, S0v, M, H, hd, outs[0].data<float>(), outs[1].data<float>(),
+                       outs[2].data<float>(), outs[3].data<float>());
+        return;
       }
+      View Q(ins[0]), K(ins[1]), V(ins[2]);
+      delta_body(M, H, hd, A, B, S0v, outs[0].data<float>(), outs[1].data<float>(),
+                 [&](int64_t t, int64_t h, float* qb, float* kb, float* vb) {
+                   for (int64_t j = 0; j < hd; j++) {
+                     qb[j] = Q.at(t, h, j);
+                     kb[j] = K.at(t, h, j);
+                     vb[j] = V.at(t, h, j);
+                   }
+                 });
     });
   }
 
@@ -453,6 +468,13 @@ void silu_mul_row(const float* a, const float* b, float* y, int64_t n) {
   silu_mul_ref(a, b, y, n);
 }
 
+// y = w * (x / sqrt(mean(x^2) + eps)) for one contiguous row (MLX's rms_norm order)
+inline void rms_row(const float* xr, const float* wr, float* yr, int64_t d, float eps) {
+  const float ms = dot(xr, xr, d) / static_cast<float>(d);
+  const float inv = 1.0f / std::sqrt(ms + eps);
+  for (int64_t c = 0; c < d; c++) yr[c] = wr[c] * (xr[c] * inv);
+}
+
 class SpelRowwise : public mx::Primitive {
  public:
   enum Kind { RMS_NORM, SILU_MUL };
@@ -489,10 +511,7 @@ class SpelRowwise : public mx::Primitive {
         const float* xr = row(X, x, r, xb);
         float* yr = Y + r * d;
         if (kind == RMS_NORM) {
-          const float ms = dot(xr, xr, d) / static_cast<float>(d);
-          const float inv = 1.0f / std::sqrt(ms + eps);
-          const float* wr = row(Wv, w, 0, wb);
-          for (int64_t c = 0; c < d; c++) yr[c] = wr[c] * (xr[c] * inv);
+          rms_row(xr, row(Wv, w, 0, wb), yr, d, eps);
         } else {
           silu_mul_row(xr, row(Wv, w, r, wb), yr, d);
         }
@@ -504,6 +523,14 @@ class SpelRowwise : public mx::Primitive {
   Kind kind_;
   float eps_;
 };
+
+// Y [M, nb*rb] = X [M, d_in] (contiguous) times the row blocks Wb [nb, d_in, rb]
+inline void linear_body(const float* X, int64_t M, int64_t d_in, const float* Wb, int64_t nb, int64_t rb,
+                        float* Y) {
+  for (int64_t b = 0; b < nb; b++)
+    cblas_sgemm(CBLAS_ROW_MAJOR, CBLAS_NO_TRANS, CBLAS_NO_TRANS, M, rb, d_in, 1.0f, X, d_in,
+                Wb + b * d_in * rb, rb, 0.0f, Y + b * rb, nb * rb);
+}
 
 // --- linear: x @ W^T from the contiguous row blocks of model.Linear ------------
 // One node (and one sgemm per block, as MLX's batched matmul makes) writing the
@@ -534,16 +561,162 @@ class SpelLinear : public mx::Primitive {
           for (int64_t c = 0; c < d_in; c++) xc[m * d_in + c] = V.at(m, c);
         X = xc.data();
       }
-      const float* Wp = wb.data<float>();
-      float* Y = y.data<float>();
-      for (int64_t b = 0; b < nb; b++)
-        cblas_sgemm(CBLAS_ROW_MAJOR, CBLAS_NO_TRANS, CBLAS_NO_TRANS, M, rb, d_in, 1.0f, X, d_in,
-                    Wp + b * d_in * rb, rb, 0.0f, Y + b * rb, d_out);
+      linear_body(X, M, d_in, wb.data<float>(), nb, rb, y.data<float>());
+      (void)d_out;
     });
   }
 };
 
+
 mx::Stream cpu_stream() { return mx::default_stream(mx::Device::cpu); }
+
+// --- whole sub-blocks ----------------------------------------------------------
+// x + SwiGLU(rmsnorm(x)) and x + GDN mixer(rmsnorm(x)): the kernels of the
+// separate primitives above, in the same order (so the same bits), as one graph
+// node each.  A pass of separate nodes has ~180 of them, and MLX's scheduling
+// thread, which may run only a few tasks ahead of the worker, wakes for each.
+
+// a 2-D array's rows as one contiguous [R, C] block (a copy into buf when strided)
+const float* contiguous_2d(const mx::array& a, std::vector<float>& buf) {
+  const int64_t R = a.shape(0), C = a.shape(1);
+  if (a.strides()[1] == 1 && (a.strides()[0] == C || R == 1)) return a.data<float>();
+  View V(a);
+  buf.resize(R * C);
+  for (int64_t r = 0; r < R; r++)
+    for (int64_t c = 0; c < C; c++) buf[r * C + c] = V.at(r, c);
+  return buf.data();
+}
+
+// a 1-D array as a contiguous vector
+const float* contiguous_1d(const mx::array& a, std::vector<float>& buf) {
+  if (a.strides()[0] == 1) return a.data<float>();
+  View V(a);
+  buf.resize(a.shape(0));
+  for (int64_t c = 0; c < a.shape(0); c++) buf[c] = V.at(c);
+  return buf.data();
+}
+
+void rms_rows(const float* X, const float* w, float* Y, int64_t R, int64_t d, float eps) {
+  for (int64_t r = 0; r < R; r++) rms_row(X + r * d, w, Y + r * d, d, eps);
+}
+
+void linear_into(const float* X, int64_t M, const mx::array& blocks, float* Y) {
+  linear_body(X, M, blocks.shape(1), blocks.data<float>(), blocks.shape(0), blocks.shape(2), Y);
+}
+
+class SpelBlock : public mx::Primitive {
+ public:
+  enum Kind { FFN, GDN };
+  SpelBlock(mx::Stream s, Kind kind, float eps) : mx::Primitive(s), kind_(kind), eps_(eps) {}
+  const char* name() const override { return kind_ == FFN ? "SpelFFNBlock" : "SpelGDNBlock"; }
+  bool is_equivalent(const mx::Primitive& other) const override {
+    auto& o = static_cast<const SpelBlock&>(other);
+    return kind_ == o.kind_ && eps_ == o.eps_;
+  }
+  void eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) override {
+    throw std::runtime_error("SpelBlock: CPU only");
+  }
+  void eval_cpu(const std::vector<mx::array>& in, std::vector<mx::array>& out) override {
+    for (auto& o : out) alloc(o);
+    auto& enc = mx::cpu::get_command_encoder(stream());
+    for (auto& a : in) enc.set_input_array(a);
+    for (auto& o : out) enc.set_output_array(o);
+    std::vector<mx::array> ins, outs;
+    for (auto& a : in) ins.push_back(mx::array::unsafe_weak_copy(a));
+    for (auto& o : out) outs.push_back(mx::array::unsafe_weak_copy(o));
+    enc.dispatch([ins = std::move(ins), outs = std::move(outs), kind = kind_, eps = eps_]() mutable {
+      ProfScope prof_(P_BLOCK);
+      if (kind == FFN)
+        ffn(ins, outs, eps);
+      else
+        gdn(ins, outs, eps);
+    });
+  }
+
+ private:
+  // in: h [M,d], norm [d], w1, w3, w2 blocks; out: h + w2(silu(w1 xn) * w3 xn)
+  static void ffn(const std::vector<mx::array>& in, std::vector<mx::array>& out, float eps) {
+    const int64_t M = in[0].shape(0), d = in[0].shape(1), ff = in[2].shape(0) * in[2].shape(2);
+    std::vector<float> hb, wb, xn(M * d), g1(M * ff), g3(M * ff), y(M * d);
+    const float* h = contiguous_2d(in[0], hb);
+    rms_rows(h, contiguous_1d(in[1], wb), xn.data(), M, d, eps);
+    linear_into(xn.data(), M, in[2], g1.data());
+    linear_into(xn.data(), M, in[3], g3.data());
+    silu_mul_row(g1.data(), g3.data(), g1.data(), M * ff);
+    linear_into(g1.data(), M, in[4], y.data());
+    float* o = out[0].data<float>();
+    for (int64_t i = 0; i < M * d; i++) o[i] = h[i] + y[i];
+  }
+
+  // in: x [M,d], norm [d], tail [2,d], conv [3,d], wqkv blocks, a [H], beta [H],
+  // S0 [H,hd,hd], wo blocks; out: x + wo(o), S_all, tails, unit q, unit k
+  static void gdn(const std::vector<mx::array>& in, std::vector<mx::array>& out, float eps) {
+    const int64_t M = in[0].shape(0), d = in[0].shape(1), H = in[7].shape(0), hd = in[7].shape(1);
+    const int64_t inner = H * hd;
+    std::vector<float> xb, wb, xn(M * d), u(M * d), qkv(M * 3 * inner), o(M * inner), y(M * d);
+    const float* x = contiguous_2d(in[0], xb);
+    rms_rows(x, contiguous_1d(in[1], wb), xn.data(), M, d, eps);
+    conv_body(View(xn.data(), d, 1), View(in[2]), View(in[3]), M, d, u.data(), out[2].data<float>());
+    linear_into(u.data(), M, in[4], qkv.data());
+    gdn_delta_body(View(qkv.data(), 3 * inner, 1), View(in[5]), View(in[6]), View(in[7]), M, H, hd, o.data(),
+                   out[1].data<float>(), out[3].data<float>(), out[4].data<float>());
+    linear_into(o.data(), M, in[8], y.data());
+    float* xo = out[0].data<float>();
+    for (int64_t i = 0; i < M * d; i++) xo[i] = x[i] + y[i];
+  }
+
+  Kind kind_;
+  float eps_;
+};
+
+void check_blocks(const mx::array& b, const char* op, const char* what, int64_t d_in) {
+  check_f32(b, op, what, 3);
+  if (b.shape(1) != d_in)
+    throw std::invalid_argument(std::string(op) + ": " + what + " blocks must be [nb, " + std::to_string(d_in) + ", rb]");
+  if (!b.flags().row_contiguous)
+    throw std::invalid_argument(std::string(op) + ": " + what + " blocks must be a contiguous (evaluated) array");
+}
+
+mx::array ffn_block(const mx::array& h, const mx::array& norm, const mx::array& w1, const mx::array& w3,
+                    const mx::array& w2, float eps) {
+  check_f32(h, "ffn_block", "h", 2);
+  check_f32(norm, "ffn_block", "norm", 1);
+  const int64_t d = h.shape(1);
+  check_blocks(w1, "ffn_block", "w1", d);
+  check_blocks(w3, "ffn_block", "w3", d);
+  const int64_t ff = w1.shape(0) * w1.shape(2);
+  check_blocks(w2, "ffn_block", "w2", ff);
+  if (norm.shape(0) != d || w3.shape(0) * w3.shape(2) != ff || w2.shape(0) * w2.shape(2) != d)
+    throw std::invalid_argument("ffn_block: expected norm [d], w1 and w3 [d -> ff], w2 [ff -> d] for h [M, d]");
+  return mx::array(h.shape(), mx::float32, std::make_shared<SpelBlock>(cpu_stream(), SpelBlock::FFN, eps),
+                   {h, norm, w1, w3, w2});
+}
+
+std::vector<mx::array> gdn_block(const mx::array& x, const mx::array& norm, const mx::array& tail,
+                                 const mx::array& conv_w, const mx::array& wqkv, const mx::array& a,
+                                 const mx::array& beta, const mx::array& S0, const mx::array& wo, float eps) {
+  check_f32(x, "gdn_block", "x", 2);
+  check_f32(norm, "gdn_block", "norm", 1);
+  check_f32(tail, "gdn_block", "tail", 2);
+  check_f32(conv_w, "gdn_block", "conv", 2);
+  check_f32(a, "gdn_block", "a", 1);
+  check_f32(beta, "gdn_block", "beta", 1);
+  check_f32(S0, "gdn_block", "S0", 3);
+  const int M = x.shape(0), d = x.shape(1), H = S0.shape(0), hd = S0.shape(1);
+  check_blocks(wqkv, "gdn_block", "wqkv", d);
+  check_blocks(wo, "gdn_block", "wo", static_cast<int64_t>(H) * hd);
+  if (norm.shape(0) != d || tail.shape(0) != 2 || tail.shape(1) != d || conv_w.shape(0) != 3 ||
+      conv_w.shape(1) != d || S0.shape(2) != hd || a.shape(0) != H || beta.shape(0) != H ||
+      wqkv.shape(0) * wqkv.shape(2) != 3 * H * hd || wo.shape(0) * wo.shape(2) != d)
+    throw std::invalid_argument("gdn_block: expected norm [d], tail [2, d], conv [3, d], wqkv [d -> 3*H*hd], "
+                                "a and beta [H], S0 [H, hd, hd], wo [H*hd -> d] for x [M, d]");
+  return mx::array::make_arrays({{M, d}, {M, H, hd, hd}, {M, 2, d}, {M, H, hd}, {M, H, hd}},
+                                {mx::float32, mx::float32, mx::float32, mx::float32, mx::float32},
+                                std::make_shared<SpelBlock>(cpu_stream(), SpelBlock::GDN, eps),
+                                {x, norm, tail, conv_w, wqkv, a, beta, S0, wo});
+}
+
+
 
 std::vector<mx::array> conv(const mx::array& x, const mx::array& tail, const mx::array& conv_w) {
   check_f32(x, "conv", "x", 2);
@@ -654,6 +827,10 @@ NB_MODULE(_spel_cpu, m) {
   m.def("rms_norm", &rms_norm, nb::arg("x"), nb::arg("weight"), nb::arg("eps"));
   m.def("silu_mul", &silu_mul, nb::arg("a"), nb::arg("b"));
   m.def("gdn_delta", &gdn_delta, nb::arg("qkv"), nb::arg("a"), nb::arg("beta"), nb::arg("S0"));
+  m.def("ffn_block", &ffn_block, nb::arg("h"), nb::arg("norm"), nb::arg("w1"), nb::arg("w3"), nb::arg("w2"),
+        nb::arg("eps"));
+  m.def("gdn_block", &gdn_block, nb::arg("x"), nb::arg("norm"), nb::arg("tail"), nb::arg("conv"),
+        nb::arg("wqkv"), nb::arg("a"), nb::arg("beta"), nb::arg("S0"), nb::arg("wo"), nb::arg("eps"));
   m.def("simd", &simd, "The SIMD variant the primitives use (\"avx2\" or \"none\")");
   m.def("set_simd", &set_simd, nb::arg("enable"), "Allow (default) or forbid the SIMD variants; returns the old setting");
   m.def("profile", &profile, nb::arg("enable"),
