@@ -87,6 +87,20 @@ class CPUFusedOps(MLXOps):
         -> (x', S_all [M,H,hd,hd], tails [M,2,d], unit q, unit k); one node."""
         return _spel_cpu.gdn_block(x, norm_weight, tail, conv, wqkv, a, beta, S0, wo, float(eps))
 
+    def attn_block(self, x, norm_weight, wqkv, wo, k_cache, v_cache, pos0, cos, sin, window: int, eps: float):
+        """Optional whole attention sub-block: x + wo(attention over the first ``window``
+        cache rows) with this batch's rotated k and v written at pos0.. -> (x', k_cache,
+        v_cache).  Two nodes around MLX's slice_update, which writes the rows in place
+        (a custom multi-output node never may: its inputs are shared by its outputs).
+        Close to the separate ops, not bit-equal (L2 norm and RoPE in C++)."""
+        if not isinstance(pos0, mx.array):
+            pos0 = mx.array(pos0, dtype=mx.int32)
+        pos0 = pos0.astype(mx.int32)
+        q, k, v = _spel_cpu.attn_qkv(x, norm_weight, wqkv, pos0, cos, sin, k_cache.shape[1], float(eps))
+        k_cache = mx.slice_update(k_cache, k, pos0, axes=(0,))
+        v_cache = mx.slice_update(v_cache, v, pos0, axes=(0,))
+        return _spel_cpu.attn_out(x, q, k_cache, v_cache, pos0, wo, int(window)), k_cache, v_cache
+
     def attend(self, q, k_cache, v_cache, pos0, M):
         if not isinstance(pos0, mx.array):
             pos0 = mx.array(pos0, dtype=mx.int32)

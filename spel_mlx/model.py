@@ -775,10 +775,11 @@ class SpelModel(nn.Module):
 
         # whole sub-blocks as single nodes (CPU ops with ffn_block/gdn_block)
         fused = {}
+        attn_block = getattr(ops, "attn_block", None)
         if hasattr(ops, "ffn_block") and hasattr(ops, "gdn_block"):
             for li, blk in enumerate(layers):
                 mlp = [lin.blocks(M) for lin in (blk.mlp.w1, blk.mlp.w3, blk.mlp.w2)]
-                mix = [blk.mixer.wqkv.blocks(M), blk.mixer.wo.blocks(M)] if blk.kind == "gdn" else []
+                mix = [blk.mixer.wqkv.blocks(M), blk.mixer.wo.blocks(M)]
                 if all(b is not None for b in mlp + mix):
                     fused[li] = (mlp, mix)
 
@@ -798,11 +799,16 @@ class SpelModel(nn.Module):
                         qk += [q, k]
                         gi += 1
                     else:
-                        xn = _rms_norm(ops, x, blk.attn_norm)
-                        out, kc, vc = blk.mixer(xn, kv_in[2 * ai], kv_in[2 * ai + 1], pos, window, ops)
+                        kc, vc = kv_in[2 * ai], kv_in[2 * ai + 1]
+                        if attn_block is not None:
+                            cos, sin = blk.mixer._rope_table
+                            h, kc, vc = attn_block(x, blk.attn_norm.weight, mix[0], mix[1], kc, vc, pos, cos,
+                                                   sin, window, blk.attn_norm.eps)
+                        else:
+                            out, kc, vc = blk.mixer(_rms_norm(ops, x, blk.attn_norm), kc, vc, pos, window, ops)
+                            h = x + out
                         kv_out += [kc, vc]
                         ai += 1
-                        h = x + out
                     x = ops.ffn_block(h, blk.ffn_norm.weight, *mlp, blk.ffn_norm.eps)
                     continue
                 xn = _rms_norm(ops, x, blk.attn_norm)

@@ -262,24 +262,60 @@ class _SeparateOps(cpu_ops.CPUFusedOps):
     def gdn_block(self):
         raise AttributeError("gdn_block")
 
+    @property
+    def attn_block(self):
+        raise AttributeError("attn_block")
+
+
+class _NoAttnBlockOps(cpu_ops.CPUFusedOps):
+    @property
+    def attn_block(self):
+        raise AttributeError("attn_block")
+
+
+def _states_after_a_verify(m, toks):
+    st = m.new_state(ring=10)
+    m.prefill(toks[:30].tolist(), st)
+    m.forward(toks[30:35], st)
+    st.commit(3)
+    return [np.asarray(a) for i in st.gdn_layers for a in st.committed_gdn(i)] + \
+        [np.asarray(st.k_cache[i][:33]) for i in st.attn_layers] + \
+        [np.asarray(st.v_cache[i][:33]) for i in st.attn_layers]
+
 
 @pytest.mark.parametrize("strict,batch", [(True, 1), (False, 5), (False, 9)])
-def test_sub_block_primitives_give_the_same_bits_as_separate_ones(models, strict, batch):
+def test_sub_block_primitives_agree_with_separate_ones(models, strict, batch):
+    """The FFN and GDN sub-blocks give the separate primitives' bits (the same kernels
+    in the same order); the attention sub-block (its own L2 norm and RoPE) agrees
+    closely.  Logits and the states left behind (S, conv tails, K and V rows)."""
     w, fused, _ = models
-    sep = SpelModel.from_weights(CFG, w)
+    sep, no_attn = (SpelModel.from_weights(CFG, w) for _ in range(2))
     sep.set_ops(_SeparateOps())
+    no_attn.set_ops(_NoAttnBlockOps())
     toks = np.random.default_rng(3).integers(0, CFG.vocab, 45)
-    assert np.array_equal(_decode(fused, toks, strict, batch), _decode(sep, toks, strict, batch))
-    # and the states they leave (every GDN layer's S and conv tail, the KV caches)
-    states = []
-    for m in (fused, sep):
-        st = m.new_state(ring=10)
-        m.prefill(toks[:30].tolist(), st)
-        m.forward(toks[30:35], st)
-        st.commit(3)
-        states.append([np.asarray(a) for i in st.gdn_layers for a in st.committed_gdn(i)] +
-                      [np.asarray(st.k_cache[i][:33]) for i in st.attn_layers])
-    assert all(np.array_equal(a, b) for a, b in zip(*states))
+    ref = _decode(sep, toks, strict, batch)
+    assert np.array_equal(_decode(no_attn, toks, strict, batch), ref)
+    assert np.abs(_decode(fused, toks, strict, batch) - ref).max() < 1e-5
+    ref_states = _states_after_a_verify(sep, toks)
+    assert all(np.array_equal(a, b) for a, b in zip(_states_after_a_verify(no_attn, toks), ref_states))
+    assert all(np.abs(a - b).max() < 1e-5 for a, b in zip(_states_after_a_verify(fused, toks), ref_states))
+
+
+def test_attention_sub_block_updates_the_caches_in_place(models):
+    """The attention sub-block writes its K/V rows into the cache buffers it was given
+    (no copy of the [max_seq, H, hd] caches per pass) once MLX may donate them."""
+    _, fused, _ = models
+    st = fused.new_state(ring=10)
+    fused.prefill(list(range(12)), st)
+    li = st.attn_layers[0]
+    mx.eval(st.k_cache[li])
+    before = st.k_cache[li]
+    ptr = np.asarray(before).__array_interface__["data"][0]
+    del before
+    fused.forward([3, 4, 5], st)
+    mx.eval(st.k_cache[li])
+    assert np.asarray(st.k_cache[li]).__array_interface__["data"][0] == ptr
+    assert np.abs(np.asarray(st.k_cache[li][12:15])).max() > 0
 
 
 def test_sub_block_shape_errors(ops):
@@ -296,3 +332,11 @@ def test_sub_block_shape_errors(ops):
     with pytest.raises(ValueError, match=r"S0 \[H, hd, hd\]"):
         E.gdn_block(h, norm, mx.zeros((2, 8)), mx.zeros((3, 8)), mx.zeros((1, 8, 12)), mx.ones((1,)),
                     mx.ones((1,)), mx.zeros((1, 4, 5)), mx.zeros((1, 4, 8)), 1e-5)
+    with pytest.raises(ValueError, match="pos0 must be one int32"):
+        E.attn_qkv(h, norm, mx.zeros((1, 8, 24)), mx.array(1.0), mx.zeros((16, 2)), mx.zeros((16, 2)), 2, 1e-5)
+    with pytest.raises(ValueError, match=r"wqkv \[d -> 3\*H\*hd\]"):
+        E.attn_qkv(h, norm, mx.zeros((1, 8, 12)), mx.array(0, mx.int32), mx.zeros((16, 2)), mx.zeros((16, 2)), 2,
+                   1e-5)
+    with pytest.raises(ValueError, match="window"):
+        E.attn_out(h, mx.zeros((2, 2, 4)), mx.zeros((16, 2, 4)), mx.zeros((16, 2, 4)), mx.array(0, mx.int32),
+                   mx.zeros((1, 8, 8)), 17)

@@ -12,6 +12,7 @@
 // their strides).  Each primitive runs on the CPU stream's worker thread like
 // MLX's own CPU ops (CommandEncoder::dispatch).  Reference: MLXOps, checked in
 // tests/test_cpu_ops.py against it and against the float64 numpy reference.
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cmath>
@@ -350,6 +351,38 @@ class SpelDelta : public mx::Primitive {
   bool raw_;
 };
 
+// o [M,H,hd]: query m (position pos0+m) against cache rows 0..min(pos0+m, W-1)
+void attend_body(const View& Q, const View& Kc, const View& Vc, int64_t M, int64_t H, int64_t hd, int64_t W,
+                 int64_t pos0, float* O) {
+  const float scale = std::sqrt(static_cast<float>(hd));
+  std::vector<float> p(W), qb(hd), kb(hd), vb(hd), acc(hd);
+  for (int64_t m = 0; m < M; m++) {
+    int64_t n = pos0 + m + 1;                                          // visible keys
+    if (n > W) n = W;
+    for (int64_t h = 0; h < H; h++) {
+      const float* qt = head_row(Q, m, h, hd, qb.data());
+      float top = -INFINITY;
+      for (int64_t w = 0; w < n; w++) {
+        p[w] = dot(head_row(Kc, w, h, hd, kb.data()), qt, hd) * scale;
+        if (p[w] > top) top = p[w];
+      }
+      float den = 0.0f;
+      for (int64_t w = 0; w < n; w++) {
+        p[w] = std::exp(p[w] - top);
+        den += p[w];
+      }
+      for (int64_t j = 0; j < hd; j++) acc[j] = 0.0f;
+      for (int64_t w = 0; w < n; w++) {
+        const float* vr = head_row(Vc, w, h, hd, vb.data());
+        const float pw = p[w];
+        for (int64_t j = 0; j < hd; j++) acc[j] += pw * vr[j];
+      }
+      const float inv = 1.0f / den;
+      for (int64_t j = 0; j < hd; j++) O[(m * H + h) * hd + j] = acc[j] * inv;
+    }
+  }
+}
+
 // --- causal attention ------------------------------------------------------
 class SpelAttend : public mx::Primitive {
  public:
@@ -367,37 +400,8 @@ class SpelAttend : public mx::Primitive {
                   vc = mx::array::unsafe_weak_copy(in[2]), pos = mx::array::unsafe_weak_copy(in[3]),
                   o = mx::array::unsafe_weak_copy(out[0])]() mutable {
       ProfScope prof_(P_ATTEND);
-      const int64_t M = q.shape(0), H = q.shape(1), hd = q.shape(2), W = kc.shape(0);
-      const int64_t pos0 = pos.data<int32_t>()[0];
-      View Q(q), Kc(kc), Vc(vc);
-      float* O = o.data<float>();
-      const float scale = std::sqrt(static_cast<float>(hd));
-      std::vector<float> p(W), qb(hd), kb(hd), vb(hd), acc(hd);
-      for (int64_t m = 0; m < M; m++) {
-        int64_t n = pos0 + m + 1;                                          // visible keys
-        if (n > W) n = W;
-        for (int64_t h = 0; h < H; h++) {
-          const float* qt = head_row(Q, m, h, hd, qb.data());
-          float top = -INFINITY;
-          for (int64_t w = 0; w < n; w++) {
-            p[w] = dot(head_row(Kc, w, h, hd, kb.data()), qt, hd) * scale;
-            if (p[w] > top) top = p[w];
-          }
-          float den = 0.0f;
-          for (int64_t w = 0; w < n; w++) {
-            p[w] = std::exp(p[w] - top);
-            den += p[w];
-          }
-          for (int64_t j = 0; j < hd; j++) acc[j] = 0.0f;
-          for (int64_t w = 0; w < n; w++) {
-            const float* vr = head_row(Vc, w, h, hd, vb.data());
-            const float pw = p[w];
-            for (int64_t j = 0; j < hd; j++) acc[j] += pw * vr[j];
-          }
-          const float inv = 1.0f / den;
-          for (int64_t j = 0; j < hd; j++) O[(m * H + h) * hd + j] = acc[j] * inv;
-        }
-      }
+      attend_body(View(q), View(kc), View(vc), q.shape(0), q.shape(1), q.shape(2), kc.shape(0),
+                  pos.data<int32_t>()[0], o.data<float>());
     });
   }
 };
@@ -606,12 +610,15 @@ void linear_into(const float* X, int64_t M, const mx::array& blocks, float* Y) {
 
 class SpelBlock : public mx::Primitive {
  public:
-  enum Kind { FFN, GDN };
-  SpelBlock(mx::Stream s, Kind kind, float eps) : mx::Primitive(s), kind_(kind), eps_(eps) {}
-  const char* name() const override { return kind_ == FFN ? "SpelFFNBlock" : "SpelGDNBlock"; }
+  enum Kind { FFN, GDN, ATTN_QKV, ATTN_OUT };
+  SpelBlock(mx::Stream s, Kind kind, float eps, int window = 0)
+      : mx::Primitive(s), kind_(kind), eps_(eps), window_(window) {}
+  const char* name() const override {
+    return kind_ == FFN ? "SpelFFNBlock" : kind_ == GDN ? "SpelGDNBlock" : kind_ == ATTN_QKV ? "SpelAttnQKV" : "SpelAttnOut";
+  }
   bool is_equivalent(const mx::Primitive& other) const override {
     auto& o = static_cast<const SpelBlock&>(other);
-    return kind_ == o.kind_ && eps_ == o.eps_;
+    return kind_ == o.kind_ && eps_ == o.eps_ && window_ == o.window_;
   }
   void eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) override {
     throw std::runtime_error("SpelBlock: CPU only");
@@ -624,12 +631,17 @@ class SpelBlock : public mx::Primitive {
     std::vector<mx::array> ins, outs;
     for (auto& a : in) ins.push_back(mx::array::unsafe_weak_copy(a));
     for (auto& o : out) outs.push_back(mx::array::unsafe_weak_copy(o));
-    enc.dispatch([ins = std::move(ins), outs = std::move(outs), kind = kind_, eps = eps_]() mutable {
+    enc.dispatch([ins = std::move(ins), outs = std::move(outs), kind = kind_, eps = eps_,
+                  window = window_]() mutable {
       ProfScope prof_(P_BLOCK);
       if (kind == FFN)
         ffn(ins, outs, eps);
-      else
+      else if (kind == GDN)
         gdn(ins, outs, eps);
+      else if (kind == ATTN_QKV)
+        attn_qkv(ins, outs, eps);
+      else
+        attn_out(ins, outs, window);
     });
   }
 
@@ -665,8 +677,57 @@ class SpelBlock : public mx::Primitive {
     for (int64_t i = 0; i < M * d; i++) xo[i] = x[i] + y[i];
   }
 
+  // in: x [M,d], norm [d], wqkv blocks, pos0 int32, cos, sin [S, hd/2]; out: q, k, v
+  // [M,H,hd]: q and k L2-normalized (x / sqrt(sum x^2 + 1e-6)), then the pairs
+  // (2i, 2i+1) rotated by their position's table row (the cache writes stay MLX's
+  // slice_update, which updates the caches in place).
+  static void attn_qkv(const std::vector<mx::array>& in, std::vector<mx::array>& out, float eps) {
+    const int64_t M = in[0].shape(0), d = in[0].shape(1), H = out[0].shape(1), hd = out[0].shape(2);
+    const int64_t inner = H * hd, S = in[4].shape(0);
+    const int64_t pos0 = in[3].data<int32_t>()[0];
+    std::vector<float> xb, wb, xn(M * d), qkv(M * 3 * inner);
+    const float* x = contiguous_2d(in[0], xb);
+    rms_rows(x, contiguous_1d(in[1], wb), xn.data(), M, d, eps);
+    linear_into(xn.data(), M, in[2], qkv.data());
+    View C(in[4]), Sn(in[5]);
+    float* Q = out[0].data<float>();
+    float* K = out[1].data<float>();
+    float* V = out[2].data<float>();
+    for (int64_t t = 0; t < M; t++) {
+      const int64_t pos = std::min(std::max(pos0 + t, int64_t(0)), S - 1);  // the caller checks room
+      for (int64_t h = 0; h < H; h++) {
+        for (int part = 0; part < 2; part++) {          // q, then k
+          const float* src = qkv.data() + t * 3 * inner + part * inner + h * hd;
+          float* dst = (part == 0 ? Q : K) + (t * H + h) * hd;
+          const float inv = 1.0f / std::sqrt(dot(src, src, hd) + 1e-6f);
+          for (int64_t i = 0; i < hd / 2; i++) {
+            const float x0 = src[2 * i] * inv, x1 = src[2 * i + 1] * inv;
+            const float c = C.at(pos, i), sn = Sn.at(pos, i);
+            dst[2 * i] = x0 * c - x1 * sn;
+            dst[2 * i + 1] = x1 * c + x0 * sn;
+          }
+        }
+        const float* vsrc = qkv.data() + t * 3 * inner + 2 * inner + h * hd;
+        for (int64_t j = 0; j < hd; j++) V[(t * H + h) * hd + j] = vsrc[j];
+      }
+    }
+  }
+
+  // in: x [M,d], q [M,H,hd], k_cache, v_cache [S,H,hd] (this batch written), pos0, wo
+  // blocks; out: x + wo(attention over the first `window` cache rows)
+  static void attn_out(const std::vector<mx::array>& in, std::vector<mx::array>& out, int window) {
+    const int64_t M = in[0].shape(0), d = in[0].shape(1), H = in[1].shape(1), hd = in[1].shape(2);
+    std::vector<float> xb, o(M * H * hd), y(M * d);
+    const float* x = contiguous_2d(in[0], xb);
+    attend_body(View(in[1]), View(in[2]), View(in[3]), M, H, hd, window, in[4].data<int32_t>()[0], o.data());
+    linear_into(o.data(), M, in[5], y.data());
+    float* xo = out[0].data<float>();
+    for (int64_t i = 0; i < M * d; i++) xo[i] = x[i] + y[i];
+  }
+
   Kind kind_;
   float eps_;
+  int window_;
 };
 
 void check_blocks(const mx::array& b, const char* op, const char* what, int64_t d_in) {
@@ -815,6 +876,40 @@ bool set_simd(bool enable) {
   return was;
 }
 
+std::vector<mx::array> attn_qkv(const mx::array& x, const mx::array& norm, const mx::array& wqkv,
+                                const mx::array& pos0, const mx::array& cos, const mx::array& sin, int n_heads,
+                                float eps) {
+  check_f32(x, "attn_qkv", "x", 2);
+  check_f32(norm, "attn_qkv", "norm", 1);
+  check_f32(cos, "attn_qkv", "cos", 2);
+  check_f32(sin, "attn_qkv", "sin", 2);
+  const int M = x.shape(0), d = x.shape(1), H = n_heads, hd = 2 * cos.shape(1);
+  check_blocks(wqkv, "attn_qkv", "wqkv", d);
+  if (pos0.dtype() != mx::int32 || pos0.size() != 1) throw std::invalid_argument("attn_qkv: pos0 must be one int32");
+  if (H < 1 || norm.shape(0) != d || sin.shape() != cos.shape() || wqkv.shape(0) * wqkv.shape(2) != 3 * H * hd)
+    throw std::invalid_argument("attn_qkv: expected norm [d], cos and sin [S, hd/2], wqkv [d -> 3*H*hd] for x [M, d]");
+  return mx::array::make_arrays({{M, H, hd}, {M, H, hd}, {M, H, hd}}, {mx::float32, mx::float32, mx::float32},
+                                std::make_shared<SpelBlock>(cpu_stream(), SpelBlock::ATTN_QKV, eps),
+                                {x, norm, wqkv, pos0, cos, sin});
+}
+
+mx::array attn_out(const mx::array& x, const mx::array& q, const mx::array& k_cache, const mx::array& v_cache,
+                   const mx::array& pos0, const mx::array& wo, int window) {
+  check_f32(x, "attn_out", "x", 2);
+  check_f32(q, "attn_out", "q", 3);
+  check_f32(k_cache, "attn_out", "k_cache", 3);
+  check_f32(v_cache, "attn_out", "v_cache", 3);
+  const int64_t H = q.shape(1), hd = q.shape(2);
+  check_blocks(wo, "attn_out", "wo", H * hd);
+  if (pos0.dtype() != mx::int32 || pos0.size() != 1) throw std::invalid_argument("attn_out: pos0 must be one int32");
+  if (k_cache.shape() != v_cache.shape() || k_cache.shape(1) != H || k_cache.shape(2) != hd ||
+      q.shape(0) != x.shape(0) || wo.shape(0) * wo.shape(2) != x.shape(1))
+    throw std::invalid_argument("attn_out: expected q [M, H, hd], caches [S, H, hd], wo [H*hd -> d] for x [M, d]");
+  if (window < 1 || window > k_cache.shape(0)) throw std::invalid_argument("attn_out: window must be in [1, S]");
+  return mx::array(x.shape(), mx::float32, std::make_shared<SpelBlock>(cpu_stream(), SpelBlock::ATTN_OUT, 0.0f, window),
+                   {x, q, k_cache, v_cache, pos0, wo});
+}
+
 }  // namespace
 
 NB_MODULE(_spel_cpu, m) {
@@ -831,6 +926,10 @@ NB_MODULE(_spel_cpu, m) {
         nb::arg("eps"));
   m.def("gdn_block", &gdn_block, nb::arg("x"), nb::arg("norm"), nb::arg("tail"), nb::arg("conv"),
         nb::arg("wqkv"), nb::arg("a"), nb::arg("beta"), nb::arg("S0"), nb::arg("wo"), nb::arg("eps"));
+  m.def("attn_qkv", &attn_qkv, nb::arg("x"), nb::arg("norm"), nb::arg("wqkv"), nb::arg("pos0"), nb::arg("cos"),
+        nb::arg("sin"), nb::arg("n_heads"), nb::arg("eps"));
+  m.def("attn_out", &attn_out, nb::arg("x"), nb::arg("q"), nb::arg("k_cache"), nb::arg("v_cache"), nb::arg("pos0"),
+        nb::arg("wo"), nb::arg("window"));
   m.def("simd", &simd, "The SIMD variant the primitives use (\"avx2\" or \"none\")");
   m.def("set_simd", &set_simd, nb::arg("enable"), "Allow (default) or forbid the SIMD variants; returns the old setting");
   m.def("profile", &profile, nb::arg("enable"),
