@@ -156,6 +156,48 @@ def test_simd_gate_is_bit_identical_to_the_scalar_reference(ops, scalar_and_simd
     assert np.array_equal(ref, np.asarray(silu_mul(a, b)))
 
 
+@pytest.fixture
+def avx512_linear():
+    from spel_mlx import _spel_cpu as E
+    if E.simd() != "avx512":
+        pytest.skip("this CPU has no AVX-512: linear uses the BLAS")
+    return E
+
+
+@pytest.mark.parametrize("rows,cols,rb", [(192, 64, 64), (256, 96, 32), (48, 40, None), (2048, 256, 64)])
+def test_avx512_linear_equals_its_fma_reference(ops, avx512_linear, rows, cols, rb):
+    """The AVX-512 tiles compute each element as one fmaf chain over k in order:
+    bit-identical to the scalar reference, for any M (1..13: row groups of 6, tails);
+    blocks that are not whole 16-column vectors go to the BLAS."""
+    E = avx512_linear
+    lin = model_mod.Linear(cols, rows)
+    for M in (1, 5, 13):
+        lin.warm(M, blocks=True)
+        b3 = lin.blocks(M)
+        x = _rand((M, cols), M)
+        got = np.asarray(ops.linear(x, b3))
+        try:
+            E.set_linear("reference")
+            want = np.asarray(ops.linear(x, b3))
+        finally:
+            E.set_linear("auto")
+        if b3.shape[2] % 16 == 0:      # whole 16-column vectors: the tiles
+            assert np.array_equal(got, want), (M, rows, cols)
+        else:                          # 48 rows at M > 5 are blocks of 24: the BLAS
+            assert not np.array_equal(got, want) and np.abs(got - want).max() < 1e-5
+        assert np.abs(got - np.asarray(x, np.float64) @ np.asarray(lin.weight, np.float64).T).max() < 1e-4
+
+
+def test_avx512_fast_batches_equal_single_token_rows(models, avx512_linear):
+    """With the FMA-chain products every part of a pass is row-independent: a fast
+    K+1 (or 9-row) pass gives exactly the bits of single-token passes."""
+    _, fused, _ = models
+    toks = np.random.default_rng(5).integers(0, CFG.vocab, 40)
+    seq = _decode(fused, toks, True, 1)
+    for batch in (2, 5, 9):
+        assert np.array_equal(_decode(fused, toks, False, batch), seq), batch
+
+
 @pytest.mark.parametrize("rows,rb,M", [(192, 64, 1), (192, 64, 5), (192, 32, 9), (48, None, 3)])
 def test_linear_from_row_blocks(ops, rows, rb, M):
     lin = model_mod.Linear(64, rows)

@@ -62,8 +62,15 @@ const bool HAVE_AVX2 = __builtin_cpu_supports("avx2");
 #define SPEL_AVX2 0
 const bool HAVE_AVX2 = false;
 #endif
+#if SPEL_AVX2
+#define SPEL_TARGET_AVX512 __attribute__((target("avx512f")))
+const bool HAVE_AVX512 = __builtin_cpu_supports("avx512f");
+#else
+const bool HAVE_AVX512 = false;
+#endif
 std::atomic<bool> simd_allowed{true};   // set_simd(False): the scalar references (tests)
 inline bool use_avx2() { return HAVE_AVX2 && simd_allowed.load(std::memory_order_relaxed); }
+inline bool use_avx512() { return HAVE_AVX512 && simd_allowed.load(std::memory_order_relaxed); }
 
 // Optional per-primitive timing of the worker-thread bodies (profile(True)):
 // where a pass's compute goes, beside the MLX nodes between them.
@@ -528,9 +535,102 @@ class SpelRowwise : public mx::Primitive {
   float eps_;
 };
 
-// Y [M, nb*rb] = X [M, d_in] (contiguous) times the row blocks Wb [nb, d_in, rb]
+// The small-M product of the sub-blocks on AVX-512 machines: MR (<= 6) rows times
+// 16*NC (<= 64) columns of one contiguous row block, every accumulator in a
+// register, each weight read once in address order.  Each output element is one
+// fused-multiply-add chain over k in order, so a row's result does not depend on
+// M or on the tiling (fast K+1 rows equal single-token rows, bit for bit).  Against
+// OpenBLAS's per-block sgemm over the shipped model's 29 MB of weights: 5 rows
+// 0.74 vs 0.96 ms, one row 0.53 vs 0.55 ms (it re-packs the weights for M > 1).
+#if SPEL_AVX2
+template <int MR, int NC>
+SPEL_TARGET_AVX512 void tile_avx512(const float* X, int64_t K, const float* W, int64_t rb, float* Y, int64_t ldy) {
+  __m512 acc[MR][NC];
+#pragma GCC unroll 8
+  for (int m = 0; m < MR; m++)
+#pragma GCC unroll 4
+    for (int c = 0; c < NC; c++) acc[m][c] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < K; k++) {
+    __m512 w[NC];
+#pragma GCC unroll 4
+    for (int c = 0; c < NC; c++) w[c] = _mm512_loadu_ps(W + k * rb + 16 * c);
+#pragma GCC unroll 8
+    for (int m = 0; m < MR; m++) {
+      const __m512 xb = _mm512_set1_ps(X[m * K + k]);
+#pragma GCC unroll 4
+      for (int c = 0; c < NC; c++) acc[m][c] = _mm512_fmadd_ps(xb, w[c], acc[m][c]);
+    }
+  }
+#pragma GCC unroll 8
+  for (int m = 0; m < MR; m++)
+#pragma GCC unroll 4
+    for (int c = 0; c < NC; c++) _mm512_storeu_ps(Y + m * ldy + 16 * c, acc[m][c]);
+}
+
+template <int MR>
+SPEL_TARGET_AVX512 void tile_avx512_cols(int nc, const float* X, int64_t K, const float* W, int64_t rb, float* Y,
+                                         int64_t ldy) {
+  switch (nc) {
+    case 4: tile_avx512<MR, 4>(X, K, W, rb, Y, ldy); break;
+    case 3: tile_avx512<MR, 3>(X, K, W, rb, Y, ldy); break;
+    case 2: tile_avx512<MR, 2>(X, K, W, rb, Y, ldy); break;
+    default: tile_avx512<MR, 1>(X, K, W, rb, Y, ldy); break;
+  }
+}
+
+SPEL_TARGET_AVX512 void linear_avx512(const float* X, int64_t M, int64_t K, const float* Wb, int64_t nb, int64_t rb,
+                                      float* Y) {
+  const int64_t ldy = nb * rb;
+  for (int64_t b = 0; b < nb; b++) {
+    const float* W = Wb + b * K * rb;
+    for (int64_t c0 = 0; c0 < rb; c0 += 64) {
+      const int nc = static_cast<int>(std::min<int64_t>(4, (rb - c0) / 16));
+      for (int64_t r0 = 0; r0 < M; r0 += 6) {
+        const float* x = X + r0 * K;
+        float* y = Y + r0 * ldy + b * rb + c0;
+        switch (std::min<int64_t>(6, M - r0)) {
+          case 6: tile_avx512_cols<6>(nc, x, K, W + c0, rb, y, ldy); break;
+          case 5: tile_avx512_cols<5>(nc, x, K, W + c0, rb, y, ldy); break;
+          case 4: tile_avx512_cols<4>(nc, x, K, W + c0, rb, y, ldy); break;
+          case 3: tile_avx512_cols<3>(nc, x, K, W + c0, rb, y, ldy); break;
+          case 2: tile_avx512_cols<2>(nc, x, K, W + c0, rb, y, ldy); break;
+          default: tile_avx512_cols<1>(nc, x, K, W + c0, rb, y, ldy); break;
+        }
+      }
+    }
+  }
+}
+#endif
+
+// The same products as linear_avx512, one fmaf chain per element (its reference).
+void linear_fma_ref(const float* X, int64_t M, int64_t K, const float* Wb, int64_t nb, int64_t rb, float* Y) {
+  for (int64_t b = 0; b < nb; b++)
+    for (int64_t m = 0; m < M; m++)
+      for (int64_t c = 0; c < rb; c++) {
+        float acc = 0.0f;
+        for (int64_t k = 0; k < K; k++) acc = std::fma(X[m * K + k], Wb[(b * K + k) * rb + c], acc);
+        Y[m * nb * rb + b * rb + c] = acc;
+      }
+}
+
+std::atomic<int> linear_mode{0};   // 0 auto, 1 the fmaf reference (tests), 2 OpenBLAS
+
+// Y [M, nb*rb] = X [M, d_in] (contiguous) times the row blocks Wb [nb, d_in, rb]:
+// the AVX-512 tiles when the CPU has them (blocks of whole 16-column vectors), else
+// one BLAS sgemm per block.
 inline void linear_body(const float* X, int64_t M, int64_t d_in, const float* Wb, int64_t nb, int64_t rb,
                         float* Y) {
+  const int mode = linear_mode.load(std::memory_order_relaxed);
+  if (mode == 1) {
+    linear_fma_ref(X, M, d_in, Wb, nb, rb, Y);
+    return;
+  }
+#if SPEL_AVX2
+  if (mode == 0 && use_avx512() && rb % 16 == 0) {
+    linear_avx512(X, M, d_in, Wb, nb, rb, Y);
+    return;
+  }
+#endif
   for (int64_t b = 0; b < nb; b++)
     cblas_sgemm(CBLAS_ROW_MAJOR, CBLAS_NO_TRANS, CBLAS_NO_TRANS, M, rb, d_in, 1.0f, X, d_in,
                 Wb + b * d_in * rb, rb, 0.0f, Y + b * rb, nb * rb);
@@ -868,9 +968,18 @@ std::map<std::string, std::pair<int64_t, double>> profile(bool enable) {
   return out;
 }
 
-// The SIMD variant in use ("avx2" or "none"); set_simd(False) forces the scalar
+// The SIMD variant in use ("avx512", "avx2" or "none"); set_simd(False) forces the scalar
 // references (the variants must give the same bits: tests/test_cpu_ops.py).
-std::string simd() { return use_avx2() ? "avx2" : "none"; }
+std::string simd() { return use_avx512() ? "avx512" : (use_avx2() ? "avx2" : "none"); }
+
+// Which product `linear` and the sub-blocks use: "auto" (AVX-512 tiles where the CPU
+// has them, else BLAS), "reference" (fmaf chains, what the tiles equal) or "blas".
+std::string set_linear(const std::string& mode) {
+  static const char* names[3] = {"auto", "reference", "blas"};
+  for (int i = 0; i < 3; i++)
+    if (mode == names[i]) return names[linear_mode.exchange(i)];
+  throw std::invalid_argument("set_linear: expected auto, reference or blas, not " + mode);
+}
 bool set_simd(bool enable) {
   bool was = simd_allowed.exchange(enable);
   return was;
@@ -930,7 +1039,8 @@ NB_MODULE(_spel_cpu, m) {
         nb::arg("sin"), nb::arg("n_heads"), nb::arg("eps"));
   m.def("attn_out", &attn_out, nb::arg("x"), nb::arg("q"), nb::arg("k_cache"), nb::arg("v_cache"), nb::arg("pos0"),
         nb::arg("wo"), nb::arg("window"));
-  m.def("simd", &simd, "The SIMD variant the primitives use (\"avx2\" or \"none\")");
+  m.def("set_linear", &set_linear, nb::arg("mode"), "The linear product: auto, reference or blas; returns the old one");
+  m.def("simd", &simd, "The SIMD variant the primitives use (\"avx512\", \"avx2\" or \"none\")");
   m.def("set_simd", &set_simd, nb::arg("enable"), "Allow (default) or forbid the SIMD variants; returns the old setting");
   m.def("profile", &profile, nb::arg("enable"),
         "Time the primitives' bodies (enable); returns and resets {kind: (calls, seconds)}");
