@@ -543,8 +543,10 @@ def describe() -> str:
     if p == "cpu":
         if not ok:
             return "cpu (%s) requested, but %s: select() will fail" % (how, why)
-        return ("cpu (%s): fused CPU primitives (spel_mlx._spel_cpu, %s): linear, RMSNorm, "
-                "SwiGLU gate, conv, delta rule, attention" % (how, why))
+        simd = cpu_ops._spel_cpu.simd()
+        return ("cpu (%s): fused CPU primitives (spel_mlx._spel_cpu, %s): FFN, GDN and attention "
+                "sub-blocks, linear, RMSNorm; SIMD %s%s" % (
+                    how, why, simd, ", AVX-512 linear tiles" if simd == "avx512" else ", BLAS linear"))
     why = ("" if metal_available() else "; Metal unavailable on this machine") + \
         ("" if ok else "; fused CPU primitives unavailable: " + why)
     return "mlx (%s): MLX ops%s" % (how, why)

@@ -355,3 +355,39 @@ def test_a_live_run_directory_is_locked(tmp_path):
         T._lock_run(run)
     held.close()
     T._lock_run(run).close()
+
+
+def test_train_all_pipeline_runs_both_on_policy_rounds_and_resumes(tmp_path):
+    """`train all` on a tiny shape with second-scale budgets: every step runs once
+    (two on-policy rounds, the second on both rounds' windows); running it again
+    skips them all and exports the same bytes."""
+    import argparse
+    rng = np.random.default_rng(1)
+    letters = list("abcdefghijklmnopqrstuvwxyz")
+    words = ["".join(rng.choice(letters, rng.integers(2, 7))) for _ in range(200)]
+    text = "\n".join(" ".join(rng.choice(words, 14)) + "." for _ in range(1200)) + "\n"
+    data = tmp_path / "corpus"
+    data.mkdir()
+    tr, he = corpus.split_heldout(text, every=5, phase=2)
+    (data / "train.txt").write_text(tr)
+    (data / "heldout.txt").write_text(he)
+    (data / "manifest.json").write_text("{}")
+    runs = tmp_path / "runs"
+    a = argparse.Namespace(
+        runs=str(runs), data=str(data), vocab=300, out=str(tmp_path / "export"),
+        config="d_model=32,n_layers=4,n_heads=2,head_dim=16,d_ff=48,max_seq=512,attn_period=2,draft_map=0:1:2",
+        tokenizer_out=str(runs / "tokenizer.model"), target_min=0.03, draft_min=0.01, onpolicy_min=0.005,
+        onpolicy_draft_min=0.01, onpolicy2_min=0.005, onpolicy2_draft_min=0.01)
+    r = T.train_all(a)
+    steps = set(r["minutes"])
+    assert {"tokenizer", "target", "draft", "onpolicy windows", "draft on-policy", "onpolicy windows 2",
+            "draft on-policy 2", "export"} <= steps
+    w1, w2, w_all = (np.load(runs / f) for f in ("onpolicy.npy", "onpolicy2.npy", "onpolicy_all.npy"))
+    assert len(w1) >= 1 and len(w2) >= 1 and np.array_equal(w_all, np.concatenate([w1, w2]))
+    state = json.load(open(runs / "draft_onpolicy2" / "ckpt" / "state.json"))
+    assert state["step"] >= 1
+    model = open(tmp_path / "export" / "model.safetensors", "rb").read()
+    mtime = os.path.getmtime(runs / "onpolicy2.npy")
+    T.train_all(a)                                  # everything done: skips, re-exports
+    assert open(tmp_path / "export" / "model.safetensors", "rb").read() == model
+    assert os.path.getmtime(runs / "onpolicy2.npy") == mtime
