@@ -729,7 +729,6 @@ class SpelModel(nn.Module):
         fn = self._compiled.get(key)
         if fn is None:
             fn = self._compiled[key] = self._make_pass(state.stack, M, window)
-        stacked = hasattr(self._ops, "gdn_delta")   # the pass returns [M, ...] states per layer
         gdn_in, kv_in = [], []
         for li in state.gdn_layers:
             gdn_in.extend(state.current_gdn(li))
@@ -740,12 +739,14 @@ class SpelModel(nn.Module):
         del kv_in   # only the pass may reference the old caches: lets MLX update them in place
         for n, li in enumerate(state.attn_layers):
             state.set_kv(li, kv_out[2 * n], kv_out[2 * n + 1])
-        captured = {}
+        captured, at = {}, 0
         for n, li in enumerate(state.gdn_layers):
-            if stacked:
-                state.write_gdn_rows(li, gdn_out[2 * n], gdn_out[2 * n + 1])
-            else:
-                state.write_gdn(li, gdn_out[2 * n * M:(2 * n + 1) * M], gdn_out[(2 * n + 1) * M:(2 * n + 2) * M])
+            if gdn_out[at].ndim == 4:       # fused ops: S [M,H,hd,hd] and tails [M,2,d] stacked
+                state.write_gdn_rows(li, gdn_out[at], gdn_out[at + 1])
+                at += 2
+            else:                           # M states [H,hd,hd], then M tails [2,d]
+                state.write_gdn(li, gdn_out[at:at + M], gdn_out[at + M:at + 2 * M])
+                at += 2 * M
             captured[li] = {"q": qk[2 * n], "k": qk[2 * n + 1]}
         state.advance(M)
         # the GDN slots stay lazy: the next pass evaluates the one it starts from,

@@ -636,50 +636,6 @@ inline void linear_body(const float* X, int64_t M, int64_t d_in, const float* Wb
                 Wb + b * d_in * rb, rb, 0.0f, Y + b * rb, nb * rb);
 }
 
-// --- linear: x @ W^T from the contiguous row blocks of model.Linear ------------
-// One node (and one sgemm per block, as MLX's batched matmul makes) writing the
-// [M, out] result in place: no broadcast of x, no reshape or transposed copy.
-class SpelLinear : public mx::Primitive {
- public:
-  explicit SpelLinear(mx::Stream s) : mx::Primitive(s) {}
-  const char* name() const override { return "SpelLinear"; }
-  void eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) override {
-    throw std::runtime_error("SpelLinear: CPU only");
-  }
-  void eval_cpu(const std::vector<mx::array>& in, std::vector<mx::array>& out) override {
-    alloc(out[0]);
-    auto& enc = mx::cpu::get_command_encoder(stream());
-    for (auto& a : in) enc.set_input_array(a);
-    enc.set_output_array(out[0]);
-    enc.dispatch([x = mx::array::unsafe_weak_copy(in[0]), wb = mx::array::unsafe_weak_copy(in[1]),
-                  y = mx::array::unsafe_weak_copy(out[0])]() mutable {
-      ProfScope prof_(P_LINEAR);
-      const int64_t M = x.shape(0), d_in = x.shape(1);
-      const int64_t nb = wb.shape(0), rb = wb.shape(2), d_out = nb * rb;
-      std::vector<float> xc;
-      const float* X = x.data<float>();
-      if (!(x.strides()[1] == 1 && x.strides()[0] == d_in)) {          // gather a strided x
-        View V(x);
-        xc.resize(M * d_in);
-        for (int64_t m = 0; m < M; m++)
-          for (int64_t c = 0; c < d_in; c++) xc[m * d_in + c] = V.at(m, c);
-        X = xc.data();
-      }
-      linear_body(X, M, d_in, wb.data<float>(), nb, rb, y.data<float>());
-      (void)d_out;
-    });
-  }
-};
-
-
-mx::Stream cpu_stream() { return mx::default_stream(mx::Device::cpu); }
-
-// --- whole sub-blocks ----------------------------------------------------------
-// x + SwiGLU(rmsnorm(x)) and x + GDN mixer(rmsnorm(x)): the kernels of the
-// separate primitives above, in the same order (so the same bits), as one graph
-// node each.  A pass of separate nodes has ~180 of them, and MLX's scheduling
-// thread, which may run only a few tasks ahead of the worker, wakes for each.
-
 // a 2-D array's rows as one contiguous [R, C] block (a copy into buf when strided)
 const float* contiguous_2d(const mx::array& a, std::vector<float>& buf) {
   const int64_t R = a.shape(0), C = a.shape(1);
@@ -699,6 +655,40 @@ const float* contiguous_1d(const mx::array& a, std::vector<float>& buf) {
   for (int64_t c = 0; c < a.shape(0); c++) buf[c] = V.at(c);
   return buf.data();
 }
+
+// --- linear: x @ W^T from the contiguous row blocks of model.Linear ------------
+// One node (and one sgemm per block, as MLX's batched matmul makes) writing the
+// [M, out] result in place: no broadcast of x, no reshape or transposed copy.
+class SpelLinear : public mx::Primitive {
+ public:
+  explicit SpelLinear(mx::Stream s) : mx::Primitive(s) {}
+  const char* name() const override { return "SpelLinear"; }
+  void eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) override {
+    throw std::runtime_error("SpelLinear: CPU only");
+  }
+  void eval_cpu(const std::vector<mx::array>& in, std::vector<mx::array>& out) override {
+    alloc(out[0]);
+    auto& enc = mx::cpu::get_command_encoder(stream());
+    for (auto& a : in) enc.set_input_array(a);
+    enc.set_output_array(out[0]);
+    enc.dispatch([x = mx::array::unsafe_weak_copy(in[0]), wb = mx::array::unsafe_weak_copy(in[1]),
+                  y = mx::array::unsafe_weak_copy(out[0])]() mutable {
+      ProfScope prof_(P_LINEAR);
+      std::vector<float> xc;
+      linear_body(contiguous_2d(x, xc), x.shape(0), x.shape(1), wb.data<float>(), wb.shape(0), wb.shape(2),
+                  y.data<float>());
+    });
+  }
+};
+
+
+mx::Stream cpu_stream() { return mx::default_stream(mx::Device::cpu); }
+
+// --- whole sub-blocks ----------------------------------------------------------
+// x + SwiGLU(rmsnorm(x)) and x + GDN mixer(rmsnorm(x)): the kernels of the
+// separate primitives above, in the same order (so the same bits), as one graph
+// node each.  A pass of separate nodes has ~180 of them, and MLX's scheduling
+// thread, which may run only a few tasks ahead of the worker, wakes for each.
 
 void rms_rows(const float* X, const float* w, float* Y, int64_t R, int64_t d, float eps) {
   for (int64_t r = 0; r < R; r++) rms_row(X + r * d, w, Y + r * d, d, eps);
