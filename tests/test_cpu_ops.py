@@ -325,11 +325,21 @@ def _states_after_a_verify(m, toks):
         [np.asarray(st.v_cache[i][:33]) for i in st.attn_layers]
 
 
-@pytest.mark.parametrize("strict,batch", [(True, 1), (False, 5), (False, 9)])
-def test_sub_block_primitives_agree_with_separate_ones(models, strict, batch):
+@pytest.mark.parametrize("strict,batch,linear", [(True, 1, "auto"), (False, 5, "auto"), (False, 9, "auto"),
+                                                (False, 5, "blas")])
+def test_sub_block_primitives_agree_with_separate_ones(models, strict, batch, linear):
     """The FFN and GDN sub-blocks give the separate primitives' bits (the same kernels
     in the same order); the attention sub-block (its own L2 norm and RoPE) agrees
     closely.  Logits and the states left behind (S, conv tails, K and V rows)."""
+    from spel_mlx import _spel_cpu as E
+    old_mode = E.set_linear(linear)          # "blas": the products of CPUs without AVX-512
+    try:
+        _check_sub_blocks(models, strict, batch)
+    finally:
+        E.set_linear(old_mode)
+
+
+def _check_sub_blocks(models, strict, batch):
     w, fused, _ = models
     sep, no_attn = (SpelModel.from_weights(CFG, w) for _ in range(2))
     sep.set_ops(_SeparateOps())
@@ -382,3 +392,31 @@ def test_sub_block_shape_errors(ops):
     with pytest.raises(ValueError, match="window"):
         E.attn_out(h, mx.zeros((2, 2, 4)), mx.zeros((16, 2, 4)), mx.zeros((16, 2, 4)), mx.array(0, mx.int32),
                    mx.zeros((1, 8, 8)), 17)
+
+
+def test_portable_build_compiles():
+    """The module without its x86 SIMD code (what CPUs other than x86-64 compile):
+    a syntax-only compile with -DSPEL_NO_SIMD, warnings as errors."""
+    import shutil
+    import subprocess
+    import sysconfig
+    required = os.environ.get("SPEL_REQUIRE_CPU_EXT") == "1"      # CI: never skip
+    try:
+        import nanobind
+    except ImportError:
+        if required:
+            raise
+        pytest.skip("nanobind (its headers) is not installed")
+    cxx = shutil.which("g++") or shutil.which("c++")
+    if cxx is None:
+        assert not required, "no C++ compiler"
+        pytest.skip("no C++ compiler")
+    mlx_inc = os.path.join(os.path.dirname(os.path.dirname(mx.__file__)), "mlx", "include")
+    if not os.path.isdir(mlx_inc):
+        mlx_inc = os.path.join(os.path.dirname(mx.__file__), "include")
+    src = os.path.join(os.path.dirname(cpu_ops.__file__), "cpu_ext", "spel_cpu_ops.cpp")
+    cmd = [cxx, "-std=c++20", "-fsyntax-only", "-Wall", "-Werror", "-DSPEL_NO_SIMD", '-DSPEL_MLX_VERSION="x"',
+           "-I" + mlx_inc, "-I" + os.path.join(os.path.dirname(nanobind.__file__), "include"),
+           "-I" + sysconfig.get_paths()["include"], src]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]

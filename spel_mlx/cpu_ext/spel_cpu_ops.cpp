@@ -54,7 +54,8 @@ namespace {
 // has AVX2.  Each does exactly the float operations of its scalar reference in
 // the same order (separate multiply and add, -ffp-contract=off; the same 8-lane
 // partial sums and reduction tree as dot()), so both give identical bits.
-#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+// -DSPEL_NO_SIMD builds only the portable code (what other CPUs get; a compile check).
+#if defined(__x86_64__) && !defined(SPEL_NO_SIMD) && (defined(__GNUC__) || defined(__clang__))
 #define SPEL_AVX2 1
 #define SPEL_TARGET_AVX2 __attribute__((target("avx2")))
 const bool HAVE_AVX2 = __builtin_cpu_supports("avx2");
