@@ -76,6 +76,11 @@ class CPUFusedOps(MLXOps):
         unit q, unit k (L2 norm + delta_rule in one node)."""
         return _spel_cpu.gdn_delta(qkv, a, beta, S0)
 
+    def fma_chain_linear(self) -> bool:
+        """Linear products are one FMA chain per element (AVX-512 tiles): a row's
+        result does not depend on the row count (see SpelModel.rows_independent)."""
+        return bool(_spel_cpu.fma_chain_linear())
+
     def ffn_block(self, h, norm_weight, w1, w3, w2, eps: float):
         """Optional whole FFN sub-block: h + w2(silu(w1 xn) * w3 xn), xn = rmsnorm(h),
         from the three Linears' [nb, in, rb] blocks: one node, the same bits as the

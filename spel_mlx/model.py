@@ -678,7 +678,8 @@ class SpelModel(nn.Module):
         """Run M tokens after the state's last written position; no commit.
 
         Returns logits [M, V] float32.  strict: every row runs the single-token
-        pass (bit-identical to M single-token calls); fast: one M-row pass with
+        pass (bit-identical to M single-token calls), or the M-row pass where that
+        gives the same bits (``rows_independent``); fast: one M-row pass with
         GEMM projections.  capture: filled with ``capture[layer] = {"q": [M,H,hd],
         "k": [M,H,hd]}`` per GDN layer (layer = index within the stack).
         """
@@ -688,7 +689,7 @@ class SpelModel(nn.Module):
         toks = _token_list(tokens, self.cfg.vocab)
         M = len(toks)
         state.check_room(M)
-        if M == 1 or not strict:
+        if M == 1 or not strict or self.rows_independent(stack, M):
             logits, qk = self._run(toks, state)
             if capture is not None:
                 capture.update(qk)
@@ -702,6 +703,30 @@ class SpelModel(nn.Module):
             for li in qks[0]:
                 capture[li] = {n: mx.concatenate([qk[li][n] for qk in qks]) for n in ("q", "k")}
         return mx.concatenate(rows, axis=0)
+
+    def rows_independent(self, stack: str, M: int) -> bool:
+        """True when an M-row pass gives every row exactly the bits of a single-token
+        pass, so strict mode may run it as one pass: the fused CPU sub-blocks (whose
+        kernels work row by row: norms, conv, the delta rule token after token, RoPE,
+        attention per query) and linear products that are one FMA chain per output
+        element (the AVX-512 tiles, ``_spel_cpu.fma_chain_linear``) for every weight's
+        blocks at 1 and at M rows (whole 16-column vectors).  tests/test_cpu_ops.py
+        checks the bits; anywhere else strict runs M single-token passes."""
+        ops = self._ops
+        fma = getattr(ops, "fma_chain_linear", None)
+        if fma is None or not fma() or mx.default_device() != mx.cpu or \
+                not all(hasattr(ops, f) for f in ("ffn_block", "gdn_block", "attn_block")):
+            return False
+        key = ("rows_independent", stack, M)
+        ok = self._compiled.get(key)
+        if ok is None:
+            lins = [self.lm_head]
+            for blk in self.stack_layers(stack):
+                lins += [blk.mixer.wqkv, blk.mixer.wo, blk.mlp.w1, blk.mlp.w3, blk.mlp.w2]
+            ok = all(((_row_block(*lin.weight.shape, m) or lin.weight.shape[0]) % 16 == 0)
+                     for lin in lins for m in (1, M))
+            self._compiled[key] = ok
+        return ok
 
     def prefill(self, tokens, state: DecodeState, stack: str | None = None, strict: bool = False) -> mx.array:
         """Feed a prompt in chunks of the ring size, committing each; last logits [V]."""

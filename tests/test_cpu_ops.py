@@ -420,3 +420,31 @@ def test_portable_build_compiles():
            "-I" + sysconfig.get_paths()["include"], src]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
+
+
+def test_strict_batches_run_as_one_pass_only_when_rows_are_independent(models, avx512_linear):
+    """With the AVX-512 tiles strict mode runs a K+1 batch as one pass (the same bits
+    as single-token passes); with the BLAS products it keeps running them one by one."""
+    E = avx512_linear
+    w, fused, plain = models
+    toks = np.random.default_rng(6).integers(0, CFG.vocab, 30)
+    seq = _decode(fused, toks, True, 1)
+    assert fused.rows_independent("target", 5) and fused.rows_independent("target", 9)
+    assert not plain.rows_independent("target", 5)                  # MLXOps
+    calls = []
+    orig = fused._run
+    fused._run = lambda toks_, st: (calls.append(len(toks_)), orig(toks_, st))[1]
+    try:
+        assert np.array_equal(_decode(fused, toks, True, 5), seq)
+        assert calls and set(calls) == {5}                            # one 5-row pass per batch
+        calls.clear()
+        old = E.set_linear("blas")
+        try:
+            assert not fused.rows_independent("target", 5)
+            got = _decode(fused, toks, True, 5)
+            assert set(calls) == {1}                                  # row by row
+        finally:
+            E.set_linear(old)
+        assert np.abs(got - seq).max() < 1e-4
+    finally:
+        del fused._run

@@ -971,6 +971,14 @@ std::string set_linear(const std::string& mode) {
     if (mode == names[i]) return names[linear_mode.exchange(i)];
   throw std::invalid_argument("set_linear: expected auto, reference or blas, not " + mode);
 }
+// True when linear_body computes every output element as one FMA chain over k in
+// order (the AVX-512 tiles or their reference) for blocks of whole 16-column vectors:
+// a row's product then does not depend on how many rows the call has.
+bool fma_chain_linear() {
+  const int mode = linear_mode.load();
+  return mode == 1 || (mode == 0 && use_avx512());
+}
+
 bool set_simd(bool enable) {
   bool was = simd_allowed.exchange(enable);
   return was;
@@ -1030,6 +1038,8 @@ NB_MODULE(_spel_cpu, m) {
         nb::arg("sin"), nb::arg("n_heads"), nb::arg("eps"));
   m.def("attn_out", &attn_out, nb::arg("x"), nb::arg("q"), nb::arg("k_cache"), nb::arg("v_cache"), nb::arg("pos0"),
         nb::arg("wo"), nb::arg("window"));
+  m.def("fma_chain_linear", &fma_chain_linear,
+        "True when linear products are per-element FMA chains (independent of the row count)");
   m.def("set_linear", &set_linear, nb::arg("mode"), "The linear product: auto, reference or blas; returns the old one");
   m.def("simd", &simd, "The SIMD variant the primitives use (\"avx512\", \"avx2\" or \"none\")");
   m.def("set_simd", &set_simd, nb::arg("enable"), "Allow (default) or forbid the SIMD variants; returns the old setting");
