@@ -14,7 +14,7 @@ import sysconfig
 from cffi import FFI
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-SOURCES = ["quant.c", "kernels.c", "pool.c", "draft.c"]
+SOURCES = ["quant.c", "kernels.c", "pool.c", "draft.c", "sampling.c"]
 # -ffp-contract=off: no silent fused multiply-adds, so results match numpy and do
 # not depend on which ISA variant of a function ran.
 CFLAGS = ["-O3", "-std=gnu11", "-ffp-contract=off", "-fno-math-errno", "-pthread"]

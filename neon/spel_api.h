@@ -95,3 +95,10 @@ int64_t spel_draft_pos(const spel_draft *d);
 int spel_draft_kernel(const spel_draft *d);
 int spel_draft_threads(const spel_draft *d);
 int64_t spel_draft_packed_bytes(const spel_draft *d, int which);  /* 0 q8, 1 ternary */
+
+/* The sampling distribution of one position (float64, sums to 1): repetition penalty
+ * on the distinct tokens of recent[0..n_recent), temperature (> 0), top-k (0 = off),
+ * top-p (1 = off); the numpy reference is spel_mlx.sampling.probabilities.
+ * Returns 0, -1 for a bad parameter, -2 out of memory. */
+int spel_sample_probs(const float *logits, int V, const int32_t *recent, int n_recent, double penalty,
+                      double temperature, int top_k, double top_p, double *out);

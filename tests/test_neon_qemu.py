@@ -18,7 +18,7 @@ from spel_mlx.config import ModelConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 NEON = ROOT / "neon"
-SOURCES = [NEON / "tests" / "selftest.c"] + [NEON / f for f in ("quant.c", "kernels.c", "pool.c", "draft.c")]
+SOURCES = [NEON / "tests" / "selftest.c"] + [NEON / f for f in ("quant.c", "kernels.c", "pool.c", "draft.c", "sampling.c")]
 CC = "aarch64-linux-gnu-gcc"
 QEMU = "qemu-aarch64"
 KERNEL_IDS = {"scalar": 0, "dotprod": 2, "addsub": 3}

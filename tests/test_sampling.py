@@ -5,6 +5,7 @@ emitted distribution against the target's with a chi-square statistic; a
 deliberately wrong rule is checked to FAIL the same test, so the test has power.
 """
 import math
+import os
 
 import numpy as np
 import pytest
@@ -192,3 +193,29 @@ def test_nucleus_from_candidates_equals_full_sort():
             n = len(order)
             assert np.array_equal(order, full[:n]) and np.array_equal(csum, np.cumsum(p[full])[:n])
             assert csum[-1] >= top_p or n == V
+
+
+def test_c_probabilities_equal_the_numpy_reference():
+    """neon/sampling.c (what probabilities runs when the C module is built) against
+    probabilities_reference: the same support (penalty, temperature, top-k ties, the
+    top-p prefix, candidates past 256 included) and the same values to 1e-13."""
+    if not smp._c_sampler():
+        if os.environ.get("SPEL_REQUIRE_CROSS") == "1":
+            raise AssertionError("the C module (spel_sample_probs) is not built")
+        pytest.skip("C module not built")
+    rng = np.random.default_rng(0)
+    for trial in range(600):
+        V = int(rng.choice([1, 2, 5, 50, 257, 300, 2048]))
+        logits = (rng.standard_normal(V) * rng.choice([0.0, 0.5, 3.0, 10.0])).astype(np.float32)
+        if trial % 5 == 0:
+            logits = np.round(logits)                       # ties at every boundary
+        hist = [int(t) for t in rng.integers(-2, V + 2, int(rng.integers(0, 100)))]
+        params = smp.SamplingParams(temperature=float(rng.choice([0.3, 0.7, 1.0, 1.5])),
+                                    top_k=int(rng.choice([0, 1, 3, 40])),
+                                    top_p=float(rng.choice([1.0, 0.9, 0.5, 0.95])),
+                                    repetition_penalty=float(rng.choice([1.0, 1.1, 1.3])),
+                                    repetition_window=int(rng.choice([0, 8, 64])))
+        a = smp.probabilities(logits, hist, params)
+        b = smp.probabilities_reference(logits, hist, params)
+        assert np.array_equal(a > 0, b > 0), (trial, V, params)
+        assert np.abs(a - b).max() < 1e-13 and abs(a.sum() - 1.0) < 1e-12, (trial, V, params)
