@@ -16,6 +16,7 @@
 #include <atomic>
 #include <chrono>
 #include <cmath>
+#include <functional>
 #include <cstdint>
 #include <memory>
 #include <stdexcept>
@@ -116,6 +117,34 @@ void check_f32(const mx::array& a, const char* op, const char* what, int ndim) {
 
 void alloc(mx::array& out) { out.set_data(mx::allocator::malloc(out.nbytes())); }
 
+// Base of the module's primitives (CPU only): eval_cpu allocates the outputs,
+// registers every array with the CPU stream's encoder and runs task() on the
+// stream's worker thread, as MLX's own CPU ops do.  A task captures its parameters
+// by value (the primitive may be gone when the worker runs it) and gets weak
+// copies of the arrays.
+using Task = std::function<void(const std::vector<mx::array>& in, std::vector<mx::array>& out)>;
+
+class CpuPrimitive : public mx::Primitive {
+ public:
+  using mx::Primitive::Primitive;
+  void eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) override {
+    throw std::runtime_error(std::string(name()) + ": CPU only");
+  }
+  void eval_cpu(const std::vector<mx::array>& in, std::vector<mx::array>& out) override {
+    for (auto& o : out) alloc(o);
+    auto& enc = mx::cpu::get_command_encoder(stream());
+    for (auto& a : in) enc.set_input_array(a);
+    for (auto& o : out) enc.set_output_array(o);
+    std::vector<mx::array> ins, outs;
+    for (auto& a : in) ins.push_back(mx::array::unsafe_weak_copy(a));
+    for (auto& o : out) outs.push_back(mx::array::unsafe_weak_copy(o));
+    enc.dispatch([f = task(), ins = std::move(ins), outs = std::move(outs)]() mutable { f(ins, outs); });
+  }
+
+ protected:
+  virtual Task task() const = 0;
+};
+
 inline float silu(float x) { return x / (1.0f + std::exp(-x)); }
 
 // Dot product with 8 independent partial sums: the compiler keeps them in one
@@ -156,26 +185,18 @@ void conv_body(const View& X, const View& T, const View& C, int64_t M, int64_t d
   }
 }
 
-class SpelConv : public mx::Primitive {
+class SpelConv : public CpuPrimitive {
  public:
-  explicit SpelConv(mx::Stream s) : mx::Primitive(s) {}
+  using CpuPrimitive::CpuPrimitive;
   const char* name() const override { return "SpelConv"; }
-  void eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) override {
-    throw std::runtime_error("SpelConv: CPU only");
-  }
-  void eval_cpu(const std::vector<mx::array>& in, std::vector<mx::array>& out) override {
-    alloc(out[0]);
-    alloc(out[1]);
-    auto& enc = mx::cpu::get_command_encoder(stream());
-    for (auto& a : in) enc.set_input_array(a);
-    enc.set_output_array(out[0]);
-    enc.set_output_array(out[1]);
-    enc.dispatch([x = mx::array::unsafe_weak_copy(in[0]), tail = mx::array::unsafe_weak_copy(in[1]),
-                  conv = mx::array::unsafe_weak_copy(in[2]), u = mx::array::unsafe_weak_copy(out[0]),
-                  tails = mx::array::unsafe_weak_copy(out[1])]() mutable {
+
+ protected:
+  Task task() const override {
+    return [](const std::vector<mx::array>& in, std::vector<mx::array>& out) {
       ProfScope prof_(P_CONV);
-      conv_body(View(x), View(tail), View(conv), x.shape(0), x.shape(1), u.data<float>(), tails.data<float>());
-    });
+      conv_body(View(in[0]), View(in[1]), View(in[2]), in[0].shape(0), in[0].shape(1), out[0].data<float>(),
+                out[1].data<float>());
+    };
   }
 };
 
@@ -315,25 +336,17 @@ void gdn_delta_body(const View& X, const View& A, const View& B, const View& S0v
 // With raw=true the inputs are qkv [M, 3*H*hd] (the wqkv projection), a, beta, S0
 // and q, k are L2-normalized here (x / sqrt(sum x^2 + 1e-6), model.l2_normalize);
 // the unit q and k are two more outputs (what NoteBank captures).
-class SpelDelta : public mx::Primitive {
+class SpelDelta : public CpuPrimitive {
  public:
-  SpelDelta(mx::Stream s, bool raw) : mx::Primitive(s), raw_(raw) {}
+  SpelDelta(mx::Stream s, bool raw) : CpuPrimitive(s), raw_(raw) {}
   const char* name() const override { return raw_ ? "SpelGDNDelta" : "SpelDelta"; }
   bool is_equivalent(const mx::Primitive& other) const override {
     return raw_ == static_cast<const SpelDelta&>(other).raw_;
   }
-  void eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) override {
-    throw std::runtime_error("SpelDelta: CPU only");
-  }
-  void eval_cpu(const std::vector<mx::array>& in, std::vector<mx::array>& out) override {
-    for (auto& o : out) alloc(o);
-    auto& enc = mx::cpu::get_command_encoder(stream());
-    for (auto& a : in) enc.set_input_array(a);
-    for (auto& o : out) enc.set_output_array(o);
-    std::vector<mx::array> ins, outs;
-    for (auto& a : in) ins.push_back(mx::array::unsafe_weak_copy(a));
-    for (auto& o : out) outs.push_back(mx::array::unsafe_weak_copy(o));
-    enc.dispatch([ins = std::move(ins), outs = std::move(outs), raw = raw_]() mutable {
+
+ protected:
+  Task task() const override {
+    return [raw = raw_](const std::vector<mx::array>& ins, std::vector<mx::array>& outs) {
       ProfScope prof_(P_DELTA);
       const int64_t M = outs[0].shape(0), H = outs[0].shape(1), hd = outs[0].shape(2);
       const int n_in = raw ? 1 : 3;
@@ -352,7 +365,7 @@ class SpelDelta : public mx::Primitive {
                      vb[j] = V.at(t, h, j);
                    }
                  });
-    });
+    };
   }
 
  private:
@@ -392,25 +405,18 @@ void attend_body(const View& Q, const View& Kc, const View& Vc, int64_t M, int64
 }
 
 // --- causal attention ------------------------------------------------------
-class SpelAttend : public mx::Primitive {
+class SpelAttend : public CpuPrimitive {
  public:
-  explicit SpelAttend(mx::Stream s) : mx::Primitive(s) {}
+  using CpuPrimitive::CpuPrimitive;
   const char* name() const override { return "SpelAttend"; }
-  void eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) override {
-    throw std::runtime_error("SpelAttend: CPU only");
-  }
-  void eval_cpu(const std::vector<mx::array>& in, std::vector<mx::array>& out) override {
-    alloc(out[0]);
-    auto& enc = mx::cpu::get_command_encoder(stream());
-    for (auto& a : in) enc.set_input_array(a);
-    enc.set_output_array(out[0]);
-    enc.dispatch([q = mx::array::unsafe_weak_copy(in[0]), kc = mx::array::unsafe_weak_copy(in[1]),
-                  vc = mx::array::unsafe_weak_copy(in[2]), pos = mx::array::unsafe_weak_copy(in[3]),
-                  o = mx::array::unsafe_weak_copy(out[0])]() mutable {
+
+ protected:
+  Task task() const override {
+    return [](const std::vector<mx::array>& in, std::vector<mx::array>& out) {
       ProfScope prof_(P_ATTEND);
-      attend_body(View(q), View(kc), View(vc), q.shape(0), q.shape(1), q.shape(2), kc.shape(0),
-                  pos.data<int32_t>()[0], o.data<float>());
-    });
+      attend_body(View(in[0]), View(in[1]), View(in[2]), in[0].shape(0), in[0].shape(1), in[0].shape(2),
+                  in[1].shape(0), in[3].data<int32_t>()[0], out[0].data<float>());
+    };
   }
 };
 
@@ -487,29 +493,24 @@ inline void rms_row(const float* xr, const float* wr, float* yr, int64_t d, floa
   for (int64_t c = 0; c < d; c++) yr[c] = wr[c] * (xr[c] * inv);
 }
 
-class SpelRowwise : public mx::Primitive {
+class SpelRowwise : public CpuPrimitive {
  public:
   enum Kind { RMS_NORM, SILU_MUL };
-  SpelRowwise(mx::Stream s, Kind kind, float eps) : mx::Primitive(s), kind_(kind), eps_(eps) {}
+  SpelRowwise(mx::Stream s, Kind kind, float eps) : CpuPrimitive(s), kind_(kind), eps_(eps) {}
   const char* name() const override { return kind_ == RMS_NORM ? "SpelRMSNorm" : "SpelSiluMul"; }
   bool is_equivalent(const mx::Primitive& other) const override {
     auto& o = static_cast<const SpelRowwise&>(other);
     return kind_ == o.kind_ && eps_ == o.eps_;
   }
-  void eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) override {
-    throw std::runtime_error("SpelRowwise: CPU only");
-  }
-  void eval_cpu(const std::vector<mx::array>& in, std::vector<mx::array>& out) override {
-    alloc(out[0]);
-    auto& enc = mx::cpu::get_command_encoder(stream());
-    for (auto& a : in) enc.set_input_array(a);
-    enc.set_output_array(out[0]);
-    enc.dispatch([x = mx::array::unsafe_weak_copy(in[0]), w = mx::array::unsafe_weak_copy(in[1]),
-                  y = mx::array::unsafe_weak_copy(out[0]), kind = kind_, eps = eps_]() mutable {
+
+ protected:
+  Task task() const override {
+    return [kind = kind_, eps = eps_](const std::vector<mx::array>& in, std::vector<mx::array>& out) {
       ProfScope prof_(P_ROWWISE);
+      const mx::array &x = in[0], &w = in[1];
       const int64_t R = x.shape(0), d = x.shape(1);
       View X(x), Wv(w);
-      float* Y = y.data<float>();
+      float* Y = out[0].data<float>();
       std::vector<float> xb(d), wb(d);
       // row r of an array as a contiguous pointer (a copy into buf when strided)
       auto row = [d](const View& v, const mx::array& arr, int64_t r, std::vector<float>& buf) {
@@ -528,7 +529,7 @@ class SpelRowwise : public mx::Primitive {
           silu_mul_row(xr, row(Wv, w, r, wb), yr, d);
         }
       }
-    });
+    };
   }
 
  private:
@@ -660,25 +661,20 @@ const float* contiguous_1d(const mx::array& a, std::vector<float>& buf) {
 // --- linear: x @ W^T from the contiguous row blocks of model.Linear ------------
 // One node (and one sgemm per block, as MLX's batched matmul makes) writing the
 // [M, out] result in place: no broadcast of x, no reshape or transposed copy.
-class SpelLinear : public mx::Primitive {
+class SpelLinear : public CpuPrimitive {
  public:
-  explicit SpelLinear(mx::Stream s) : mx::Primitive(s) {}
+  using CpuPrimitive::CpuPrimitive;
   const char* name() const override { return "SpelLinear"; }
-  void eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) override {
-    throw std::runtime_error("SpelLinear: CPU only");
-  }
-  void eval_cpu(const std::vector<mx::array>& in, std::vector<mx::array>& out) override {
-    alloc(out[0]);
-    auto& enc = mx::cpu::get_command_encoder(stream());
-    for (auto& a : in) enc.set_input_array(a);
-    enc.set_output_array(out[0]);
-    enc.dispatch([x = mx::array::unsafe_weak_copy(in[0]), wb = mx::array::unsafe_weak_copy(in[1]),
-                  y = mx::array::unsafe_weak_copy(out[0])]() mutable {
+
+ protected:
+  Task task() const override {
+    return [](const std::vector<mx::array>& in, std::vector<mx::array>& out) {
       ProfScope prof_(P_LINEAR);
       std::vector<float> xc;
-      linear_body(contiguous_2d(x, xc), x.shape(0), x.shape(1), wb.data<float>(), wb.shape(0), wb.shape(2),
-                  y.data<float>());
-    });
+      const mx::array& wb = in[1];
+      linear_body(contiguous_2d(in[0], xc), in[0].shape(0), in[0].shape(1), wb.data<float>(), wb.shape(0),
+                  wb.shape(2), out[0].data<float>());
+    };
   }
 };
 
@@ -699,11 +695,11 @@ void linear_into(const float* X, int64_t M, const mx::array& blocks, float* Y) {
   linear_body(X, M, blocks.shape(1), blocks.data<float>(), blocks.shape(0), blocks.shape(2), Y);
 }
 
-class SpelBlock : public mx::Primitive {
+class SpelBlock : public CpuPrimitive {
  public:
   enum Kind { FFN, GDN, ATTN_QKV, ATTN_OUT };
   SpelBlock(mx::Stream s, Kind kind, float eps, int window = 0)
-      : mx::Primitive(s), kind_(kind), eps_(eps), window_(window) {}
+      : CpuPrimitive(s), kind_(kind), eps_(eps), window_(window) {}
   const char* name() const override {
     return kind_ == FFN ? "SpelFFNBlock" : kind_ == GDN ? "SpelGDNBlock" : kind_ == ATTN_QKV ? "SpelAttnQKV" : "SpelAttnOut";
   }
@@ -711,19 +707,10 @@ class SpelBlock : public mx::Primitive {
     auto& o = static_cast<const SpelBlock&>(other);
     return kind_ == o.kind_ && eps_ == o.eps_ && window_ == o.window_;
   }
-  void eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) override {
-    throw std::runtime_error("SpelBlock: CPU only");
-  }
-  void eval_cpu(const std::vector<mx::array>& in, std::vector<mx::array>& out) override {
-    for (auto& o : out) alloc(o);
-    auto& enc = mx::cpu::get_command_encoder(stream());
-    for (auto& a : in) enc.set_input_array(a);
-    for (auto& o : out) enc.set_output_array(o);
-    std::vector<mx::array> ins, outs;
-    for (auto& a : in) ins.push_back(mx::array::unsafe_weak_copy(a));
-    for (auto& o : out) outs.push_back(mx::array::unsafe_weak_copy(o));
-    enc.dispatch([ins = std::move(ins), outs = std::move(outs), kind = kind_, eps = eps_,
-                  window = window_]() mutable {
+
+ protected:
+  Task task() const override {
+    return [kind = kind_, eps = eps_, window = window_](const std::vector<mx::array>& ins, std::vector<mx::array>& outs) {
       ProfScope prof_(P_BLOCK);
       if (kind == FFN)
         ffn(ins, outs, eps);
@@ -733,7 +720,7 @@ class SpelBlock : public mx::Primitive {
         attn_qkv(ins, outs, eps);
       else
         attn_out(ins, outs, window);
-    });
+    };
   }
 
  private:
