@@ -566,10 +566,16 @@ int spel_draft_step(spel_draft *d, int32_t token, float *logits) {
     return spel_draft_commit(d, 1);
 }
 
-static int propose_at(spel_draft *d, int32_t pending, int k, int start, int guess, int32_t *out) {
+/* the request checks of a proposal at offset start (also made before an async one is accepted) */
+static int check_propose(spel_draft *d, int k, int start) {
     if (k < 1 || start < 0 || start + k + 1 > d->R)
         return fail(d, "propose(K=%d) at offset %d needs offset+K+1 <= ring (%d)", k, start, d->R);
     if (start > d->last_m) return fail(d, "propose at offset %d beyond the %d uncommitted tokens", start, d->last_m);
+    return 0;
+}
+
+static int propose_at(spel_draft *d, int32_t pending, int k, int start, int guess, int32_t *out) {
+    if (check_propose(d, k, start)) return -1;
     if (start == 0 && d->last_m == d->R)
         return fail(d, "the last batch filled the ring (%d slots); commit before proposing", d->R);
     float *logits = malloc(4 * (size_t)d->cfg.vocab);
@@ -650,10 +656,8 @@ static void ahead_stop(spel_draft *d) {
 
 int spel_draft_propose_at_async(spel_draft *d, int32_t pending, int k, int start, int guess) {
     REFUSE_IF_BUSY(d);
-    /* the checks propose_at makes, now, so an accepted request can only fail inside run_token */
-    if (k < 1 || start < 0 || start + k + 1 > d->R)
-        return fail(d, "propose(K=%d) at offset %d needs offset+K+1 <= ring (%d)", k, start, d->R);
-    if (start > d->last_m) return fail(d, "propose at offset %d beyond the %d uncommitted tokens", start, d->last_m);
+    /* checked now, so an accepted request can only fail inside run_token */
+    if (check_propose(d, k, start)) return -1;
     if (!d->ahead.started) {
         d->ahead.out = malloc(sizeof(int32_t) * ((size_t)d->R + 1));
         if (!d->ahead.out) return fail(d, "out of memory");

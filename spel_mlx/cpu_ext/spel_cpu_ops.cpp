@@ -203,9 +203,8 @@ class SpelConv : public CpuPrimitive {
 // --- gated delta rule -------------------------------------------------------
 // The recurrence of one head over M tokens, from S0 (or the previous token's
 // state in S_all): S_t = a S + beta (v - S k) k^T, o_t = S_t q / sqrt(hd).
-void delta_head_ref(const float* S0, float* SA, float* O, int64_t M, int64_t H, int64_t h, int64_t hd,
-                float ah, float bh, const float* const* q, const float* const* k,
-                const float* const* v, const View* S0v) {
+void delta_head_ref(float* SA, float* O, int64_t M, int64_t H, int64_t h, int64_t hd, float ah, float bh,
+                    const float* const* q, const float* const* k, const float* const* v, const View* S0v) {
   const float scale = 1.0f / std::sqrt(static_cast<float>(hd));
   for (int64_t t = 0; t < M; t++) {
     float* St = SA + ((t * H + h) * hd) * hd;                              // S_t [hd, hd]
@@ -214,8 +213,6 @@ void delta_head_ref(const float* S0, float* SA, float* O, int64_t M, int64_t H, 
       if (t) {
         const float* prow = SA + (((t - 1) * H + h) * hd + i) * hd;
         for (int64_t j = 0; j < hd; j++) row[j] = prow[j];
-      } else if (S0) {
-        for (int64_t j = 0; j < hd; j++) row[j] = S0[i * hd + j];
       } else if (S0v->s[2] == 1) {
         const float* src = S0v->p + h * S0v->s[0] + i * S0v->s[1];
         for (int64_t j = 0; j < hd; j++) row[j] = src[j];
@@ -291,7 +288,7 @@ void delta_head(float* SA, float* O, int64_t M, int64_t H, int64_t h, int64_t hd
     return;
   }
 #endif
-  delta_head_ref(nullptr, SA, O, M, H, h, hd, ah, bh, q, k, v, S0v);
+  delta_head_ref(SA, O, M, H, h, hd, ah, bh, q, k, v, S0v);
 }
 
 // The delta rule over all heads; rows(t, h, q, k, v) fills token t's head-h rows.
