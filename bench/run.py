@@ -182,7 +182,7 @@ def heldout_text() -> tuple:
             if len(text) > 256:
                 return text, f"held-out text ({os.path.relpath(path, REPO)})"
     try:
-        from spel_mlx import corpus
+        from spel_mlx.training import corpus
         _, held = corpus.split_heldout(corpus.load_source("austen"))
         if len(held) > 256:
             return held, "held-out text (austen, split on the fly)"

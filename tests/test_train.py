@@ -10,7 +10,9 @@ import pytest
 
 import spel_mlx  # noqa: F401  (BLAS before mlx)
 import mlx.core as mx
-from spel_mlx import corpus, quant, train as T, train_model as tm
+from spel_mlx import quant, train_model as tm
+from spel_mlx.training import (config, corpus, data, export, loop, onpolicy, pipeline, runs, schedule,
+                               steps)
 from spel_mlx.config import ModelConfig
 from spel_mlx.tokenizer import ByteTokenizer
 
@@ -133,7 +135,7 @@ def _tc(data_dir, **kw):
     base = dict(steps=12, batch=4, seq=32, lr=3e-3, warmup=3, eval_every=6, eval_tokens=512,
                 ckpt_every=100, log_every=1, chunk=16, data=data_dir)
     base.update(kw)
-    return T.TrainConfig(**base)
+    return config.TrainConfig(**base)
 
 
 def _losses(run):
@@ -143,7 +145,7 @@ def _losses(run):
 @pytest.fixture(scope="module")
 def target_run(tmp_path_factory, data_dir):
     run = str(tmp_path_factory.mktemp("runs") / "full")
-    s = T.train(run, TINY, _tc(data_dir, steps=30), tokenizer=ByteTokenizer(), quiet=True)
+    s = loop.train(run, TINY, _tc(data_dir, steps=30), tokenizer=ByteTokenizer(), quiet=True)
     return run, s
 
 
@@ -159,36 +161,36 @@ def test_training_reduces_loss(target_run):
 
 def test_killed_run_resumes_with_same_losses(tmp_path, data_dir):
     full, part = str(tmp_path / "full"), str(tmp_path / "part")
-    T.train(full, TINY, _tc(data_dir), tokenizer=ByteTokenizer(), quiet=True)
-    s = T.train(part, TINY, _tc(data_dir), tokenizer=ByteTokenizer(), quiet=True, stop_after=5)
+    loop.train(full, TINY, _tc(data_dir), tokenizer=ByteTokenizer(), quiet=True)
+    s = loop.train(part, TINY, _tc(data_dir), tokenizer=ByteTokenizer(), quiet=True, stop_after=5)
     assert s["step"] == 5
-    assert T.load_checkpoint_dir(part)[0]["step"] == 5
-    T.train(part, None, _tc(data_dir), tokenizer=ByteTokenizer(), quiet=True)   # resume
+    assert runs.load_checkpoint_dir(part)[0]["step"] == 5
+    loop.train(part, None, _tc(data_dir), tokenizer=ByteTokenizer(), quiet=True)   # resume
     a, b = _losses(full), _losses(part)
     assert len(a) == len(b) == 12
     assert a == b                                                                # bit-identical
-    pa, pb = T.load_checkpoint_dir(full)[2], T.load_checkpoint_dir(part)[2]
+    pa, pb = runs.load_checkpoint_dir(full)[2], runs.load_checkpoint_dir(part)[2]
     assert all(np.array_equal(np.array(pa[n]), np.array(pb[n])) for n in pa)
 
 
 def test_batches_depend_only_on_seed_and_step():
     toks = np.arange(10000, dtype=np.int32)
-    x1, y1 = T.batch_at(toks, 17, 3, 4, 8)
-    x2, y2 = T.batch_at(toks, 17, 3, 4, 8)
+    x1, y1 = data.batch_at(toks, 17, 3, 4, 8)
+    x2, y2 = data.batch_at(toks, 17, 3, 4, 8)
     assert np.array_equal(x1, x2) and np.array_equal(y1[:, :-1], x1[:, 1:])
-    assert not np.array_equal(T.batch_at(toks, 18, 3, 4, 8)[0], x1)
+    assert not np.array_equal(data.batch_at(toks, 18, 3, 4, 8)[0], x1)
 
 
 def test_draft_distillation(tmp_path, target_run, data_dir):
     trun, _ = target_run
-    _, cfg, tparams, _, _ = T.load_checkpoint_dir(trun)
+    _, cfg, tparams, _, _ = runs.load_checkpoint_dir(trun)
     init = tm.copy_target_to_draft(cfg, dict(tparams))
     assert np.array_equal(np.array(init["draft.layers.1.mixer.wqkv.weight"]),
                           np.array(tparams["layers.1.mixer.wqkv.weight"]))
     run = str(tmp_path / "draft")
-    T.train(run, None, _tc(data_dir, mode="draft", init=trun, steps=12, lr=2e-3),
+    loop.train(run, None, _tc(data_dir, mode="draft", init=trun, steps=12, lr=2e-3),
             tokenizer=ByteTokenizer(), quiet=True)
-    _, _, dparams, _, _ = T.load_checkpoint_dir(run)
+    _, _, dparams, _, _ = runs.load_checkpoint_dir(run)
     for n in tparams:   # target, embedding and head frozen
         if not n.startswith("draft."):
             assert np.array_equal(np.array(tparams[n]), np.array(dparams[n])), n
@@ -205,47 +207,47 @@ def test_onpolicy_windows_and_mixture(tmp_path, target_run, data_dir):
     from spel_mlx.speculative import SpeculativeDecoder
     trun, _ = target_run
     out = str(tmp_path / "op.npy")
-    r = T.generate_onpolicy(trun, out, minutes=5, data_dir=data_dir, seq=32, prompt_len=8,
+    r = onpolicy.generate_onpolicy(trun, out, minutes=5, data_dir=data_dir, seq=32, prompt_len=8,
                             max_rows=4, quiet=True)
     rows = np.load(out)
     assert r["rows"] == 4 and rows.shape == (4, 33) and rows.dtype == np.int32
-    _, cfg, params, _, _ = T.load_checkpoint_dir(trun)
+    _, cfg, params, _, _ = runs.load_checkpoint_dir(trun)
     model = SpelModel.from_weights(cfg, {n: params[n] for n in params})
     assert SpeculativeDecoder(model, None, "ar").generate(rows[0, :8].tolist(), 25) == rows[0, 8:].tolist()
-    T.generate_onpolicy(trun, out + "2.npy", minutes=5, data_dir=data_dir, seq=32, prompt_len=8,
+    onpolicy.generate_onpolicy(trun, out + "2.npy", minutes=5, data_dir=data_dir, seq=32, prompt_len=8,
                         max_rows=4, quiet=True)
     assert np.array_equal(np.load(out + "2.npy"), rows)
-    x, y = T.batch_at(np.arange(1000, dtype=np.int32), 3, 0, 4, 32)
-    mx_, my = T.mix_onpolicy(x, y, rows, 3, 0, 0.5)
+    x, y = data.batch_at(np.arange(1000, dtype=np.int32), 3, 0, 4, 32)
+    mx_, my = data.mix_onpolicy(x, y, rows, 3, 0, 0.5)
     assert all(any(np.array_equal(mx_[i], w[:-1]) and np.array_equal(my[i], w[1:]) for w in rows)
                for i in range(2))
-    assert np.array_equal(mx_[2:], x[2:]) and np.array_equal(T.mix_onpolicy(x, y, rows, 3, 0, 0.5)[0], mx_)
+    assert np.array_equal(mx_[2:], x[2:]) and np.array_equal(data.mix_onpolicy(x, y, rows, 3, 0, 0.5)[0], mx_)
     d1 = str(tmp_path / "d1")
-    T.train(d1, None, _tc(data_dir, mode="draft", init=trun, steps=6, lr=2e-3, onpolicy=out),
+    loop.train(d1, None, _tc(data_dir, mode="draft", init=trun, steps=6, lr=2e-3, onpolicy=out),
             tokenizer=ByteTokenizer(), quiet=True)
-    d1p = T.load_checkpoint_dir(d1)[2]
+    d1p = runs.load_checkpoint_dir(d1)[2]
     d2 = str(tmp_path / "d2")   # continue the distilled draft: starts from d1's draft weights
-    T.train(d2, None, _tc(data_dir, mode="draft", init=d1, steps=1, lr=0.0, warmup=0, onpolicy=out),
+    loop.train(d2, None, _tc(data_dir, mode="draft", init=d1, steps=1, lr=0.0, warmup=0, onpolicy=out),
             tokenizer=ByteTokenizer(), quiet=True)
-    d2p = T.load_checkpoint_dir(d2)[2]
+    d2p = runs.load_checkpoint_dir(d2)[2]
     n = "draft.layers.1.mixer.wqkv.weight"
     assert np.array_equal(np.array(d1p[n]), np.array(d2p[n]))
     fresh = tm.copy_target_to_draft(cfg, dict(params))[n]   # what a target init would give
     assert not np.array_equal(np.array(d1p[n]), np.array(fresh))
-    with pytest.raises(T.TrainError, match="onpolicy data is for draft"):
-        T.train(str(tmp_path / "bad"), TINY, _tc(data_dir, onpolicy=out), tokenizer=ByteTokenizer(), quiet=True)
+    with pytest.raises(config.TrainError, match="onpolicy data is for draft"):
+        loop.train(str(tmp_path / "bad"), TINY, _tc(data_dir, onpolicy=out), tokenizer=ByteTokenizer(), quiet=True)
 
 
 def test_export_spelw_and_f16_folder(tmp_path, target_run, data_dir):
     run, _ = target_run
-    out = T.export_run(run, str(tmp_path / "model"), dtype="float16", data_dir=data_dir,
+    out = export.export_run(run, str(tmp_path / "model"), dtype="float16", data_dir=data_dir,
                        spelw_path=str(tmp_path / "m.spelw"))
     from spel_mlx.checkpoint import load_checkpoint
-    _, _, params, _, _ = T.load_checkpoint_dir(run)
+    _, _, params, _, _ = runs.load_checkpoint_dir(run)
     full = load_checkpoint(str(tmp_path / "m.spelw"))
     half = load_checkpoint(out)
     assert full.cfg == half.cfg == TINY
-    assert list(full.golden.tokens) == list(T.golden_tokens_from_heldout(data_dir, ByteTokenizer()))
+    assert list(full.golden.tokens) == list(export.golden_tokens_from_heldout(data_dir, ByteTokenizer()))
     for n, a in params.items():
         assert np.array_equal(full.weights[n], np.array(a)), n
         assert np.array_equal(half.weights[n], np.array(a).astype(np.float16).astype(np.float32)), n
@@ -254,9 +256,9 @@ def test_export_spelw_and_f16_folder(tmp_path, target_run, data_dir):
 
 # --- controller -----------------------------------------------------------------
 def test_controller_schedule_plateau_and_spikes():
-    tc = T.TrainConfig(steps=100, warmup=10, lr=1e-3, min_lr_frac=0.1, plateau_patience=2,
+    tc = config.TrainConfig(steps=100, warmup=10, lr=1e-3, min_lr_frac=0.1, plateau_patience=2,
                        plateau_factor=0.5, spike_factor=4.0)
-    c = T.Controller()
+    c = schedule.Controller()
     assert c.lr(tc, 0) == pytest.approx(1e-4)
     assert c.lr(tc, 10) == pytest.approx(1e-3)
     assert c.lr(tc, 100) == pytest.approx(1e-4)
@@ -264,8 +266,8 @@ def test_controller_schedule_plateau_and_spikes():
     assert c.observe_eval(tc, 20, 2.995) == ""          # not a real gain, 1 bad eval
     assert "plateau" in c.observe_eval(tc, 30, 3.1)     # 2nd bad eval -> LR halved
     assert c.lr_scale == 0.5 and c.lr(tc, 10) == pytest.approx(5e-4)
-    d = T.Controller()                                  # draft: relative gain on the KL
-    tcd = T.TrainConfig(mode="draft", plateau_patience=1, plateau_min_delta=0.01)
+    d = schedule.Controller()                                  # draft: relative gain on the KL
+    tcd = config.TrainConfig(mode="draft", plateau_patience=1, plateau_min_delta=0.01)
     assert d.observe_eval(tcd, 1, 0.20) == ""
     assert d.observe_eval(tcd, 2, 0.197) == ""          # 1.5% better: a real gain
     assert "plateau" in d.observe_eval(tcd, 3, 0.1965)  # 0.25% better: not
@@ -282,13 +284,13 @@ def test_controller_schedule_plateau_and_spikes():
 
 
 def test_spike_skips_update_in_graph():
-    tc = T.TrainConfig(batch=2, seq=16, chunk=16)
+    tc = config.TrainConfig(batch=2, seq=16, chunk=16)
     params = tm.init_params(TINY, seed=1)
     names = [n for n in params if not n.startswith("draft.")]
     tr = {n: params[n] for n in names}
     fr = {n: params[n] for n in params if n not in tr}
     m = {n: mx.zeros_like(tr[n]) for n in names}
-    step = T.make_step(TINY, tc, names)
+    step = steps.make_step(TINY, tc, names)
     x = mx.array(np.random.default_rng(0).integers(0, 128, (2, 16)).astype(np.int32))
     loss, gn, ok, p2, m2, v2 = step(tr, fr, m, m, x, x, mx.array(1e-3), mx.array(1.0), mx.array(1e-9))
     assert not bool(ok) and float(gn) > 0
@@ -339,22 +341,22 @@ def test_clean_kjv_drops_verse_numbers():
 
 def test_resume_can_extend_the_schedule(tmp_path, data_dir):
     run = str(tmp_path / "ext")
-    T.train(run, TINY, _tc(data_dir, steps=8), tokenizer=ByteTokenizer(), quiet=True)
-    s = T.train(run, None, _tc(data_dir), tokenizer=ByteTokenizer(), quiet=True, extend_to=14)
-    assert s["step"] == 14 and T.load_checkpoint_dir(run)[0]["train"]["steps"] == 14
+    loop.train(run, TINY, _tc(data_dir, steps=8), tokenizer=ByteTokenizer(), quiet=True)
+    s = loop.train(run, None, _tc(data_dir), tokenizer=ByteTokenizer(), quiet=True, extend_to=14)
+    assert s["step"] == 14 and runs.load_checkpoint_dir(run)[0]["train"]["steps"] == 14
     assert len(_losses(run)) == 14
-    with pytest.raises(T.TrainError, match="below the run's current step"):
-        T.train(run, None, _tc(data_dir), tokenizer=ByteTokenizer(), quiet=True, extend_to=3)
+    with pytest.raises(config.TrainError, match="below the run's current step"):
+        loop.train(run, None, _tc(data_dir), tokenizer=ByteTokenizer(), quiet=True, extend_to=3)
 
 
 def test_a_live_run_directory_is_locked(tmp_path):
     run = str(tmp_path / "locked")
     os.makedirs(run)
-    held = T._lock_run(run)
-    with pytest.raises(T.TrainError, match="in use by another training process"):
-        T._lock_run(run)
+    held = runs.lock_run(run)
+    with pytest.raises(config.TrainError, match="in use by another training process"):
+        runs.lock_run(run)
     held.close()
-    T._lock_run(run).close()
+    runs.lock_run(run).close()
 
 
 def test_train_all_pipeline_runs_both_on_policy_rounds_and_resumes(tmp_path):
@@ -366,28 +368,28 @@ def test_train_all_pipeline_runs_both_on_policy_rounds_and_resumes(tmp_path):
     letters = list("abcdefghijklmnopqrstuvwxyz")
     words = ["".join(rng.choice(letters, rng.integers(2, 7))) for _ in range(200)]
     text = "\n".join(" ".join(rng.choice(words, 14)) + "." for _ in range(1200)) + "\n"
-    data = tmp_path / "corpus"
-    data.mkdir()
+    corpus_dir = tmp_path / "corpus"
+    corpus_dir.mkdir()
     tr, he = corpus.split_heldout(text, every=5, phase=2)
-    (data / "train.txt").write_text(tr)
-    (data / "heldout.txt").write_text(he)
-    (data / "manifest.json").write_text("{}")
-    runs = tmp_path / "runs"
+    (corpus_dir / "train.txt").write_text(tr)
+    (corpus_dir / "heldout.txt").write_text(he)
+    (corpus_dir / "manifest.json").write_text("{}")
+    runs_dir = tmp_path / "runs"
     a = argparse.Namespace(
-        runs=str(runs), data=str(data), vocab=300, out=str(tmp_path / "export"),
+        runs=str(runs_dir), data=str(corpus_dir), vocab=300, out=str(tmp_path / "export"),
         config="d_model=32,n_layers=4,n_heads=2,head_dim=16,d_ff=48,max_seq=512,attn_period=2,draft_map=0:1:2",
-        tokenizer_out=str(runs / "tokenizer.model"), target_min=0.03, draft_min=0.01, onpolicy_min=0.005,
+        tokenizer_out=str(runs_dir / "tokenizer.model"), target_min=0.03, draft_min=0.01, onpolicy_min=0.005,
         onpolicy_draft_min=0.01, onpolicy2_min=0.005, onpolicy2_draft_min=0.01)
-    r = T.train_all(a)
-    steps = set(r["minutes"])
+    r = pipeline.train_all(a)
+    ran = set(r["minutes"])
     assert {"tokenizer", "target", "draft", "onpolicy windows", "draft on-policy", "onpolicy windows 2",
-            "draft on-policy 2", "export"} <= steps
-    w1, w2, w_all = (np.load(runs / f) for f in ("onpolicy.npy", "onpolicy2.npy", "onpolicy_all.npy"))
+            "draft on-policy 2", "export"} <= ran
+    w1, w2, w_all = (np.load(runs_dir / f) for f in ("onpolicy.npy", "onpolicy2.npy", "onpolicy_all.npy"))
     assert len(w1) >= 1 and len(w2) >= 1 and np.array_equal(w_all, np.concatenate([w1, w2]))
-    state = json.load(open(runs / "draft_onpolicy2" / "ckpt" / "state.json"))
+    state = json.load(open(runs_dir / "draft_onpolicy2" / "ckpt" / "state.json"))
     assert state["step"] >= 1
     model = open(tmp_path / "export" / "model.safetensors", "rb").read()
-    mtime = os.path.getmtime(runs / "onpolicy2.npy")
-    T.train_all(a)                                  # everything done: skips, re-exports
+    mtime = os.path.getmtime(runs_dir / "onpolicy2.npy")
+    pipeline.train_all(a)                                  # everything done: skips, re-exports
     assert open(tmp_path / "export" / "model.safetensors", "rb").read() == model
-    assert os.path.getmtime(runs / "onpolicy2.npy") == mtime
+    assert os.path.getmtime(runs_dir / "onpolicy2.npy") == mtime

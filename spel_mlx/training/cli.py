@@ -1,0 +1,118 @@
+"""MLX trainer for the target model and QAT distillation of the draft.
+
+    python -m spel_mlx.train target --run runs/target --config d_model=256,... --budget-min 45
+    python -m spel_mlx.train draft  --run runs/draft --init runs/target --budget-min 15
+    python -m spel_mlx.train export --run runs/draft --out spel_mlx/assets/default
+    python -m spel_mlx.train onpolicy --init runs/target --out runs/onpolicy.npy --minutes 6
+    python -m spel_mlx.train all    (corpus -> tokenizer -> target -> draft -> on-policy
+                                     windows -> draft on them -> export; re-run to resume)
+
+Re-running the same command on an existing run directory resumes it.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import sys
+
+from ..config import ConfigError, ModelConfig, parse_config_string
+from .config import DEFAULT_SHAPE, TrainConfig, TrainError
+from .export import export_run
+from .loop import train
+from .onpolicy import generate_onpolicy
+from .pipeline import train_all
+
+
+def _add_train_args(p, mode: str):
+    d = TrainConfig(mode=mode)
+    p.add_argument("--run", required=True, help="run directory (resumed if it has a checkpoint)")
+    p.add_argument("--config", default=DEFAULT_SHAPE if mode == "target" else "",
+                   help="model shape, k=v,... (target mode)")
+    for f in dataclasses.fields(TrainConfig):
+        if f.name in ("mode",):
+            continue
+        p.add_argument("--" + f.name.replace("_", "-"), type=type(getattr(d, f.name)),
+                       default=None, help=f"(default {getattr(d, f.name)!r})")
+
+
+def _tc_from_args(a, mode: str) -> TrainConfig:
+    kw = {f.name: getattr(a, f.name) for f in dataclasses.fields(TrainConfig)
+          if f.name != "mode" and getattr(a, f.name, None) is not None}
+    if mode == "draft":
+        kw.setdefault("lr", 5e-4)
+        kw.setdefault("warmup", 20)
+    return TrainConfig(mode=mode, **kw)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m spel_mlx.train", description=__doc__.split("\n")[0])
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    _add_train_args(sub.add_parser("target", help="train the target model"), "target")
+    _add_train_args(sub.add_parser("draft", help="QAT-distil the draft from a target run"), "draft")
+    e = sub.add_parser("export", help="export a run as a safetensors model folder")
+    e.add_argument("--run", required=True)
+    e.add_argument("--out", default="spel_mlx/assets/default")
+    e.add_argument("--dtype", default="float16", choices=["float16", "bfloat16", "float32"])
+    e.add_argument("--data", default="data/corpus")
+    e.add_argument("--spelw", default="", help="where the FP32 SPELW001 file goes (default RUN/model.spelw)")
+    g = sub.add_parser("onpolicy", help="target-generated windows for draft distillation (--onpolicy)")
+    g.add_argument("--init", required=True, help="the trained target run")
+    g.add_argument("--out", required=True, help=".npy file to write")
+    g.add_argument("--minutes", type=float, default=8.0)
+    g.add_argument("--max-rows", type=int, default=0)
+    g.add_argument("--data", default="data/corpus")
+    g.add_argument("--tokenizer", default="")
+    g.add_argument("--seq", type=int, default=256)
+    g.add_argument("--prompt-len", type=int, default=64)
+    g.add_argument("--seed", type=int, default=0)
+    al = sub.add_parser("all", help="corpus, tokenizer, target, draft and export in one go")
+    al.add_argument("--runs", default="runs")
+    al.add_argument("--data", default="data/corpus")
+    al.add_argument("--config", default=DEFAULT_SHAPE)
+    al.add_argument("--target-min", type=float, default=60.0)
+    al.add_argument("--draft-min", type=float, default=20.0)
+    al.add_argument("--onpolicy-min", type=float, default=6.0,
+                    help="minutes of target-generated windows for on-policy distillation (0: none)")
+    al.add_argument("--onpolicy-draft-min", type=float, default=12.0,
+                    help="minutes of draft distillation on them (after --draft-min on text)")
+    al.add_argument("--onpolicy2-min", type=float, default=8.0,
+                    help="minutes of more windows for a second on-policy round (0: none)")
+    al.add_argument("--onpolicy2-draft-min", type=float, default=20.0,
+                    help="minutes of the second round's distillation (on both rounds' windows)")
+    al.add_argument("--vocab", type=int, default=2048)
+    al.add_argument("--out", default="spel_mlx/assets/default")
+    al.add_argument("--tokenizer-out", default="", help="where the SentencePiece model goes "
+                    "(default spel_mlx/assets/tokenizer.model)")
+    a = ap.parse_args(argv)
+    try:
+        if a.cmd in ("target", "draft"):
+            cfg = None
+            if a.config:
+                cfg = ModelConfig(**{**ModelConfig().to_dict(), **parse_config_string(a.config)}).validate() \
+                    if a.cmd == "target" else None
+                if a.cmd == "draft":
+                    raise TrainError("draft mode takes its shape from --init; drop --config")
+            if cfg is not None and isinstance(cfg.draft_map, list):
+                cfg = cfg.replace(draft_map=tuple(cfg.draft_map))
+            resuming = os.path.exists(os.path.join(a.run, "ckpt", "state.json"))
+            s = train(a.run, cfg, _tc_from_args(a, a.cmd), extend_to=a.steps if resuming else None)
+            print(json.dumps(s, default=float))
+        elif a.cmd == "onpolicy":
+            if not 1 <= a.prompt_len <= a.seq:
+                raise TrainError(f"--prompt-len {a.prompt_len}: must be in 1..--seq ({a.seq})")
+            print(json.dumps(generate_onpolicy(a.init, a.out, a.minutes, a.data, a.tokenizer, a.seq,
+                                               a.prompt_len, a.seed, a.max_rows)))
+        elif a.cmd == "export":
+            print(export_run(a.run, a.out, a.dtype, data_dir=a.data, spelw_path=a.spelw))
+        else:
+            print(json.dumps(train_all(a)))
+    except (TrainError, ConfigError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("interrupted (the last checkpoint is kept; re-run the same command to resume)", file=sys.stderr)
+        return 130
+    return 0
+

@@ -1,0 +1,49 @@
+"""What a training run is told (TrainConfig) and the trainer's one error type."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+# the shipped model's shape
+DEFAULT_SHAPE = ("d_model=256,n_layers=8,n_heads=4,head_dim=64,d_ff=768,vocab=2048,"
+                 "max_seq=4096,draft_map=0:2:3:5")
+
+
+class TrainError(RuntimeError):
+    """Bad arguments, missing inputs or an unreadable run directory."""
+
+
+@dataclass
+class TrainConfig:
+    mode: str = "target"          # target | draft
+    steps: int = 1000
+    budget_min: float = 0.0       # >0: set steps from measured speed to fit this many minutes
+    batch: int = 8
+    seq: int = 256
+    # schedule (see schedule.Controller)
+    lr: float = 2e-3
+    min_lr_frac: float = 0.1
+    warmup: int = 50
+    # AdamW
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    adam_eps: float = 1e-8
+    # instability and plateau control
+    clip: float = 1.0
+    spike_factor: float = 4.0
+    plateau_patience: int = 3
+    plateau_factor: float = 0.5
+    plateau_min_delta: float = 0.01
+    # cadence
+    eval_every: int = 100
+    eval_tokens: int = 16384
+    ckpt_every: int = 100
+    log_every: int = 10
+    seed: int = 0
+    chunk: int = 64
+    # inputs
+    data: str = "data/corpus"
+    tokenizer: str = ""           # default: spel_mlx/assets/tokenizer.model
+    init: str = ""                # draft mode: the target run directory
+    onpolicy: str = ""            # draft mode: .npy of target-generated windows [n, seq+1]
+    onpolicy_frac: float = 0.5    # share of each draft batch drawn from them

@@ -1,0 +1,55 @@
+"""Export a run: a SPELW001 file and a safetensors model folder with its tokenizer."""
+from __future__ import annotations
+
+import os
+import shutil
+
+import numpy as np
+
+from .. import layout
+from .config import TrainError
+from .data import load_tokens
+from .runs import load_checkpoint_dir
+
+
+def golden_tokens_from_heldout(data_dir: str, tokenizer, n: int = 16) -> np.ndarray:
+    """The first n tokens of the held-out text: the golden footer feeds real prose."""
+    held = load_tokens(data_dir, tokenizer, "heldout")
+    return np.asarray(held[:n], dtype=np.uint32)
+
+
+def export_run(run: str, out_dir: str, dtype: str = "float16", tokenizer_path: str = "",
+               data_dir: str = "data/corpus", spelw_path: str = "") -> str:
+    """Export a run's checkpoint: a SPELW001 file (FP32, golden footer on held-out
+    tokens) and a safetensors model folder in ``dtype`` made from it by
+    spel_mlx.convert (golden logits recomputed for the rounded weights), plus the
+    tokenizer. Returns the folder."""
+    from ..tokenizer import DEFAULT_SP_MODEL, load_tokenizer
+    from ..golden import compute_golden
+    from ..spelw import Golden, write_spelw
+    from ..convert import convert
+    _, cfg, params, _, _ = load_checkpoint_dir(run)
+    names = [s.name for s in layout.tensor_specs(cfg)]
+    missing = [n for n in names if n not in params]
+    if missing:
+        raise TrainError(f"{run}: checkpoint lacks {missing[0]} (and {len(missing) - 1} more)")
+    weights = {n: np.array(params[n], dtype=np.float32) for n in names}
+    tok_path = tokenizer_path or DEFAULT_SP_MODEL
+    tok = load_tokenizer(cfg.vocab, None if cfg.vocab == 128 else tok_path)
+    gt = golden_tokens_from_heldout(data_dir, tok)
+    tl, dl = compute_golden(cfg, weights, gt)
+    spelw_path = spelw_path or os.path.join(run, "model.spelw")
+    write_spelw(spelw_path, cfg, weights, Golden(gt, tl, dl))
+    code = {"float16": "F16", "bfloat16": "BF16", "float32": "F32"}[dtype]
+    tmp = out_dir.rstrip("/") + ".tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    convert(spelw_path, tmp, code, progress=False)
+    if cfg.vocab != 128:
+        shutil.copyfile(tok_path, os.path.join(tmp, "tokenizer.model"))
+    old = out_dir.rstrip("/") + ".old"
+    shutil.rmtree(old, ignore_errors=True)
+    if os.path.exists(out_dir):
+        os.replace(out_dir, old)
+    os.replace(tmp, out_dir)
+    shutil.rmtree(old, ignore_errors=True)
+    return out_dir

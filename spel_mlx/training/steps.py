@@ -1,0 +1,77 @@
+"""The compiled train step (AdamW with in-graph spike skipping) and held-out evaluation."""
+from __future__ import annotations
+
+import mlx.core as mx
+
+from .. import train_model as tm
+from ..config import ModelConfig
+from .config import TrainConfig
+
+
+def _decay_mask(name: str) -> bool:
+    return name.endswith(".weight") and "norm" not in name
+
+
+def make_step(cfg: ModelConfig, tc: TrainConfig, trainable_names: list):
+    """Compiled train step: (trainable, frozen, m, v, x, y, lr, t, spike) ->
+    (loss, gnorm, ok, trainable', m', v').  The update is skipped in-graph when
+    the gradient norm is non-finite or above `spike`."""
+    b1, b2, eps, wd, clip = tc.beta1, tc.beta2, tc.adam_eps, tc.weight_decay, tc.clip
+    chunk = tc.chunk
+
+    if tc.mode == "target":
+        def loss_fn(train, frozen, x, y):
+            return tm.cross_entropy(tm.forward({**frozen, **train}, x, cfg, "target", chunk=chunk), y)
+    else:
+        def loss_fn(train, frozen, x, y):
+            p = {**frozen, **train}
+            t_logits = mx.stop_gradient(tm.forward(p, x, cfg, "target", chunk=chunk))
+            d_logits = tm.forward(p, x, cfg, "draft", quant=True, chunk=chunk)
+            return tm.kl_target_draft(t_logits, d_logits)
+
+    vg = mx.value_and_grad(loss_fn)
+
+    def step(train, frozen, m, v, x, y, lr, t, spike):
+        loss, grads = vg(train, frozen, x, y)
+        gsq = sum(mx.sum(g * g) for g in grads.values())
+        gnorm = mx.sqrt(gsq)
+        ok = mx.logical_and(mx.isfinite(gnorm), gnorm < spike)
+        scale = mx.minimum(1.0, clip / (gnorm + 1e-6))
+        bc1 = 1 - b1 ** t
+        bc2 = 1 - b2 ** t
+        new_p, new_m, new_v = {}, {}, {}
+        for n in trainable_names:
+            g = mx.where(ok, grads[n] * scale, 0.0)
+            mn = b1 * m[n] + (1 - b1) * g
+            vn = b2 * v[n] + (1 - b2) * g * g
+            upd = (mn / bc1) / (mx.sqrt(vn / bc2) + eps)
+            if _decay_mask(n):
+                upd = upd + wd * train[n]
+            new_p[n] = mx.where(ok, train[n] - lr * upd, train[n])
+            new_m[n] = mx.where(ok, mn, m[n])
+            new_v[n] = mx.where(ok, vn, v[n])
+        return loss, gnorm, ok, new_p, new_m, new_v
+
+    return mx.compile(step)
+
+
+def make_eval(cfg: ModelConfig, tc: TrainConfig):
+    """Compiled held-out evaluation: (params, x, y) -> (sum NLL, [KL sum, agree count])."""
+    chunk = tc.chunk
+
+    def ev(p, x, y):
+        if tc.mode == "target":
+            lg = tm.forward(p, x, cfg, "target", chunk=chunk)
+            lse = mx.logsumexp(lg, axis=-1)
+            nll = lse - mx.take_along_axis(lg, y[..., None], axis=-1)[..., 0]
+            return mx.sum(nll), mx.array(0.0), mx.array(0.0)
+        tl = tm.forward(p, x, cfg, "target", chunk=chunk)
+        dl = tm.forward(p, x, cfg, "draft", quant=True, chunk=chunk)
+        lse = mx.logsumexp(dl, axis=-1)
+        nll = lse - mx.take_along_axis(dl, y[..., None], axis=-1)[..., 0]
+        kl = tm.kl_target_draft(tl, dl) * tl.shape[0] * tl.shape[1]
+        agree = mx.sum(mx.argmax(tl, axis=-1) == mx.argmax(dl, axis=-1))
+        return mx.sum(nll), kl, agree
+
+    return mx.compile(ev)
+
