@@ -23,7 +23,7 @@ import sys
 
 import spel_mlx  # noqa: F401  (BLAS before mlx.core)
 from spel_mlx import speculative as sp
-from spel_mlx.checkpoint import load_checkpoint
+from spel_mlx.checkpoints import load_checkpoint
 from spel_mlx.model import SpelModel
 from spel_mlx.tokenizer import load_tokenizer
 

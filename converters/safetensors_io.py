@@ -15,7 +15,8 @@ import os
 
 import numpy as np
 
-from spel_mlx.spelw import AtomicFile, CheckpointError, drop_pages, map_file, write_f32
+from spel_mlx.checkpoints.files import AtomicFile, drop_pages, map_file, write_f32
+from spel_mlx.checkpoints.rules import CheckpointError
 
 # safetensors dtype -> (numpy dtype of the stored bytes, itemsize).  BF16 is read
 # as raw u16 and widened by hand (numpy has no bfloat16).

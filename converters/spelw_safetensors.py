@@ -19,8 +19,10 @@ import numpy as np
 
 from spel_mlx.config import ConfigError, ModelConfig
 from spel_mlx.layout import GOLDEN_DRAFT, GOLDEN_TARGET, GOLDEN_TOKENS, tensor_specs
-from spel_mlx.spelw import (FLAG_GOLDEN, HEADER_SIZE, AtomicFile, CheckpointError, Golden, Progress,
-                            SpelwWriter, read_spelw)
+from spel_mlx.checkpoints.files import AtomicFile, Progress
+from spel_mlx.checkpoints.footer import Golden, footer_nbytes
+from spel_mlx.checkpoints.rules import CheckpointError
+from spel_mlx.checkpoints.spelw import FLAG_GOLDEN, HEADER_SIZE, SpelwWriter, read_spelw
 
 from .safetensors_io import FLOAT_DTYPES, INT_DTYPES, SafetensorsFile, write_safetensors
 
@@ -305,7 +307,6 @@ def safetensors_to_spelw(src, dst, progress=None):
 
 
 def spelw_size(cfg: ModelConfig, golden_n: int | None) -> int:
-    from spel_mlx.spelw import footer_nbytes
     return HEADER_SIZE + sum(s.nbytes for s in tensor_specs(cfg)) + (footer_nbytes(golden_n, cfg.vocab)
                                                                      if golden_n else 0)
 

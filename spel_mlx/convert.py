@@ -17,7 +17,7 @@ import sys
 
 from ._cli import internal_error
 from .config import ConfigError
-from .spelw import CheckpointError, Progress
+from .checkpoints import CheckpointError, Progress
 
 
 def direction(src: str) -> str:
@@ -28,7 +28,7 @@ def direction(src: str) -> str:
 
 
 def _starts_with_spelw(path) -> bool:
-    from .checkpoint import is_spelw
+    from .checkpoints import is_spelw
     return is_spelw(path)
 
 
@@ -38,7 +38,7 @@ def rounded_golden(src: str, dtype: str, progress: bool):
 
     from .converters.safetensors_io import bf16_bits_to_f32, f32_to_bf16_bits
     from .golden import compute_golden
-    from .spelw import Golden, read_spelw
+    from .checkpoints import Golden, read_spelw
 
     sp = read_spelw(src)
     if sp.golden is None:

@@ -192,9 +192,9 @@ class TextStream:
 
 def _load(args):
     """Checkpoint, config, tokenizer, model -- every failure as a one-line error."""
-    from .checkpoint import default_checkpoint_dir, load_checkpoint
+    from .checkpoints import default_checkpoint_dir, load_checkpoint
     from .config import ConfigError, resolve_config
-    from .spelw import CheckpointError
+    from .checkpoints import CheckpointError
     from .tokenizer import TokenizerError, load_tokenizer
 
     path = args.checkpoint or os.environ.get("SPEL_WEIGHTS", "").strip() or None

@@ -856,7 +856,7 @@ def _load_for_demo(args):
                  f"{'GDN q tied to k' if tie else 'independent q/k'})")
         return toy_model(args.model_seed, tie_qk=tie), ByteTokenizer(), label
     import os
-    from .checkpoint import load_checkpoint
+    from .checkpoints import load_checkpoint
     from .model import SpelModel
     ck = load_checkpoint(args.checkpoint)
     tok_path = None

@@ -245,9 +245,9 @@ def suite_forced(ctx):
 def suite_roundtrip(ctx):
     import mlx.core as mx
     try:
-        from .checkpoint import load_checkpoint
+        from .checkpoints import load_checkpoint
         from .converters.spelw_safetensors import safetensors_to_spelw, spelw_to_safetensors
-        from .spelw import write_spelw
+        from .checkpoints import write_spelw
     except ImportError as e:
         raise Skip(f"checkpoint modules unavailable ({e})") from None
     from .model import SpelModel

@@ -24,7 +24,7 @@ import numpy as np
 from ._cli import internal_error
 from .config import ConfigError, ModelConfig, resolve_config
 from .layout import TensorSpec, tensor_specs
-from .spelw import CheckpointError, Golden, Progress, SpelwWriter, read_spelw
+from .checkpoints import CheckpointError, Golden, Progress, SpelwWriter, read_spelw
 
 
 def synth_tensor(spec: TensorSpec, seed: int, index: int) -> np.ndarray:

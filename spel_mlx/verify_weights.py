@@ -20,7 +20,7 @@ import numpy as np
 
 from ._cli import internal_error
 from .config import ConfigError, resolve_config
-from .spelw import CheckpointError
+from .checkpoints import CheckpointError
 
 DEFAULT_TOL = 1e-3
 
@@ -51,7 +51,7 @@ def tolerance(environ=None) -> float:
 
 
 def verify(path, config: str | None = None, draft: str = "auto", out=None, target_backend: str = "mlx") -> bool:
-    from .checkpoint import load_checkpoint
+    from .checkpoints import load_checkpoint
     from .golden import compute_draft, compute_target, golden_backends
 
     out = sys.stdout if out is None else out

@@ -10,7 +10,7 @@ import pytest
 import spel_mlx  # noqa: F401
 from spel_mlx import golden
 from spel_mlx.config import ModelConfig
-from spel_mlx.spelw import HEADER_SIZE, read_spelw
+from spel_mlx.checkpoints.spelw import HEADER_SIZE, read_spelw
 
 CFG = "d_model=64,n_layers=4,n_heads=2,head_dim=16,d_ff=128,max_seq=64,draft_map=0:3"
 TINY = ModelConfig(d_model=64, n_layers=4, n_heads=2, head_dim=16, d_ff=128, max_seq=64, draft_map=(0, 3))
@@ -202,8 +202,8 @@ def test_c_draft_matches_numpy_fakequant(synth_file):
 
 
 def test_default_checkpoint_message(monkeypatch, tmp_path):
-    from spel_mlx import checkpoint
-    from spel_mlx.spelw import CheckpointError
+    from spel_mlx.checkpoints import CheckpointError
+    from spel_mlx.checkpoints import load as checkpoint
     monkeypatch.setattr(checkpoint, "DEFAULT_DIR", tmp_path / "default")
     monkeypatch.delenv("SPEL_WEIGHTS", raising=False)
     with pytest.raises(CheckpointError, match="no trained checkpoint is installed.*spel_mlx.convert"):

@@ -10,13 +10,13 @@ from safetensors.numpy import load_file, save_file
 
 import spel_mlx  # noqa: F401
 from spel_mlx import converters
-from spel_mlx.checkpoint import load_checkpoint
+from spel_mlx.checkpoints import load_checkpoint
 from spel_mlx.converters import (CONFIG_FILE, MODEL_FILE, SafetensorsModel, safetensors_to_spelw,
                                  spelw_to_safetensors)
 from spel_mlx.converters import safetensors_io
 from spel_mlx.converters.safetensors_io import bf16_bits_to_f32, f32_to_bf16_bits
 from spel_mlx.layout import tensor_specs
-from spel_mlx.spelw import CheckpointError, read_spelw, write_spelw
+from spel_mlx.checkpoints import CheckpointError, read_spelw, write_spelw
 
 from test_spelw import TINY, tiny_golden, tiny_tensors
 

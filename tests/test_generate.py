@@ -25,7 +25,7 @@ TINY = "d_model=32,n_layers=4,n_heads=2,head_dim=16,d_ff=64,vocab=128,max_seq=96
 def ckpt(tmp_path_factory):
     from spel_mlx.config import resolve_config
     from spel_mlx.model import init_weights
-    from spel_mlx.spelw import write_spelw
+    from spel_mlx.checkpoints import write_spelw
     d = tmp_path_factory.mktemp("gen")
     cfg = resolve_config(overrides=TINY, use_env=False)
     w = init_weights(cfg, seed=5)
@@ -156,7 +156,7 @@ def test_tokenizer_vocab_mismatch(ckpt, tmp_path):
 
 
 def test_no_installed_checkpoint_message(monkeypatch, tmp_path):
-    from spel_mlx import checkpoint
+    from spel_mlx.checkpoints import load as checkpoint
     monkeypatch.setattr(checkpoint, "DEFAULT_DIR", tmp_path / "default")
     monkeypatch.delenv("SPEL_WEIGHTS", raising=False)
     code, out, err = run()
@@ -185,7 +185,7 @@ def test_cli_subprocess_ok_and_errors_without_traceback(ckpt, tmp_path):
 def test_ctrl_c_stops_cleanly_with_stats(tmp_path):
     from spel_mlx.config import resolve_config
     from spel_mlx.model import init_weights
-    from spel_mlx.spelw import write_spelw
+    from spel_mlx.checkpoints import write_spelw
     cfg = resolve_config(overrides=TINY.replace("max_seq=96", "max_seq=4096"), use_env=False)
     path = tmp_path / "long.spelw"
     write_spelw(str(path), cfg, init_weights(cfg, seed=1))

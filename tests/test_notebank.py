@@ -422,7 +422,7 @@ def test_needle_document_with_subword_tokenizer():
 
 @needs_model
 def test_demo_on_shipped_checkpoint_when_installed(tmp_path, capsys):
-    from spel_mlx.checkpoint import DEFAULT_DIR, DEFAULT_MODEL_FILE
+    from spel_mlx.checkpoints.load import DEFAULT_DIR, DEFAULT_MODEL_FILE
     if not (DEFAULT_DIR / DEFAULT_MODEL_FILE).is_file():
         pytest.skip("no shipped checkpoint installed")
     out = tmp_path / "shipped.json"

@@ -7,11 +7,11 @@ import numpy as np
 import pytest
 
 import spel_mlx  # noqa: F401
-from spel_mlx import spelw
+from spel_mlx.checkpoints import CheckpointError, Golden, spelw
+from spel_mlx.checkpoints.footer import FOOTER_MAGIC, footer_nbytes
+from spel_mlx.checkpoints.spelw import HEADER_SIZE, header_bytes, parse_header, read_header, read_spelw, write_spelw
 from spel_mlx.config import PRESETS, ModelConfig
 from spel_mlx.layout import tensor_specs, weights_nbytes
-from spel_mlx.spelw import (FOOTER_MAGIC, HEADER_SIZE, CheckpointError, Golden, footer_nbytes, header_bytes,
-                            parse_header, read_header, read_spelw, write_spelw)
 
 TINY = ModelConfig(d_model=64, n_layers=4, n_heads=2, head_dim=16, d_ff=128, vocab=128, max_seq=64,
                    draft_map=(0, 3))

@@ -242,7 +242,7 @@ def test_export_spelw_and_f16_folder(tmp_path, target_run, data_dir):
     run, _ = target_run
     out = export.export_run(run, str(tmp_path / "model"), dtype="float16", data_dir=data_dir,
                        spelw_path=str(tmp_path / "m.spelw"))
-    from spel_mlx.checkpoint import load_checkpoint
+    from spel_mlx.checkpoints import load_checkpoint
     _, _, params, _, _ = runs.load_checkpoint_dir(run)
     full = load_checkpoint(str(tmp_path / "m.spelw"))
     half = load_checkpoint(out)

@@ -26,7 +26,7 @@ def export_run(run: str, out_dir: str, dtype: str = "float16", tokenizer_path: s
     tokenizer. Returns the folder."""
     from ..tokenizer import DEFAULT_SP_MODEL, load_tokenizer
     from ..golden import compute_golden
-    from ..spelw import Golden, write_spelw
+    from ..checkpoints import Golden, write_spelw
     from ..convert import convert
     _, cfg, params, _, _ = load_checkpoint_dir(run)
     names = [s.name for s in layout.tensor_specs(cfg)]

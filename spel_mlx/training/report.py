@@ -19,7 +19,7 @@ import mlx.core as mx
 import numpy as np
 
 from .. import train_model as tm
-from ..checkpoint import DEFAULT_DIR
+from ..checkpoints.load import DEFAULT_DIR
 from .data import eval_windows
 
 SAMPLE_PROMPTS = ("It is a truth universally acknowledged, that",
@@ -28,7 +28,7 @@ SAMPLE_PROMPTS = ("It is a truth universally acknowledged, that",
 
 
 def heldout_eval(ckpt_path: str, data_dir: str, seq: int = 256, max_tokens: int = 0, chunk: int = 64) -> dict:
-    from ..checkpoint import load_checkpoint
+    from ..checkpoints import load_checkpoint
     from ..tokenizer import load_tokenizer
     ck = load_checkpoint(ckpt_path)
     cfg = ck.cfg

@@ -12,22 +12,19 @@ destination directory and renames it into place, so a failure leaves no output.
 from __future__ import annotations
 
 import math
-import mmap
 import os
 import struct
-import sys
-import tempfile
-import time
-from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import numpy as np
 
-from .config import MAX_DRAFT, ConfigError, ModelConfig
-from .layout import TensorSpec, tensor_specs
+from ..config import MAX_DRAFT, ConfigError, ModelConfig
+from ..layout import TensorSpec, tensor_specs
+from .files import AtomicFile, PageDroppingWeights, drop_pages, map_file, write_f32
+from .footer import FOOTER_MAGIC, MAX_GOLDEN, Golden, footer_nbytes
+from .rules import CheckpointError
 
 MAGIC = b"SPELW001"
-FOOTER_MAGIC = b"SPELV001"
 HEADER_SIZE = 64
 FLAG_GOLDEN = 1
 KNOWN_FLAGS = FLAG_GOLDEN
@@ -44,56 +41,6 @@ OFF_DRAFT_MAP, OFF_ROPE_THETA, OFF_NORM_EPS, OFF_FLAGS = 44, 52, 56, 60
 HEADER_CAPS = {"d_model": 1 << 20, "n_layers": 4096, "n_heads": 1 << 16, "head_dim": 1 << 16,
                "d_ff": 1 << 22, "vocab": 1 << 24, "max_seq": 1 << 24, "attn_period": 1 << 16,
                "n_draft": MAX_DRAFT}
-MAX_GOLDEN = 1 << 20
-
-
-class CheckpointError(ValueError):
-    """A checkpoint is malformed or inconsistent.
-
-    The message names the file, the field or tensor and the byte offset, on one line.
-    """
-
-    def __init__(self, path, what: str, offset: int | None = None, field: str | None = None):
-        self.path, self.field, self.offset = str(path), field, offset
-        where = ""
-        if field is not None and offset is not None:
-            where = f" [{field} at byte {offset}]"
-        elif field is not None:
-            where = f" [{field}]"
-        elif offset is not None:
-            where = f" [at byte {offset}]"
-        super().__init__(f"{path}: {what}{where}")
-
-
-@dataclass
-class Golden:
-    """The SPELV001 golden footer: tokens fed one per position from reset, and the
-    target / quantized-draft logits at each position."""
-    tokens: np.ndarray          # uint32 [n]
-    target_logits: np.ndarray   # float32 [n, V]
-    draft_logits: np.ndarray    # float32 [n, V]
-
-    @property
-    def n(self) -> int:
-        return int(self.tokens.shape[0])
-
-    def check(self, vocab: int, path="<golden>"):
-        t = np.asarray(self.tokens)
-        n = t.shape[0] if t.ndim == 1 else -1
-        if t.ndim != 1 or not (1 <= n <= MAX_GOLDEN):
-            raise CheckpointError(path, f"golden tokens must be a 1-D array of 1..{MAX_GOLDEN}, got shape {t.shape}",
-                                  field="golden.tokens")
-        if t.dtype.kind not in "iu" or (n and (int(t.min()) < 0 or int(t.max()) >= vocab)):
-            raise CheckpointError(path, f"golden tokens must be integers in 0..{vocab - 1}", field="golden.tokens")
-        for name, a in (("golden.target_logits", self.target_logits), ("golden.draft_logits", self.draft_logits)):
-            a = np.asarray(a)
-            if a.shape != (n, vocab) or a.dtype.kind != "f":
-                raise CheckpointError(path, f"{name} must be float [{n}, {vocab}], got {a.dtype} {list(a.shape)}",
-                                      field=name)
-
-
-def footer_nbytes(n: int, vocab: int) -> int:
-    return 8 + 4 + 4 * n + 2 * 4 * n * vocab
 
 
 # --------------------------------------------------------------------------- header
@@ -216,7 +163,7 @@ class SpelwFile:
     spans: dict                         # name -> (start, end) byte offsets in the file
     golden: Golden | None
     footer_offset: int | None
-    _mm: mmap.mmap | None = field(default=None, repr=False)
+    _mm: object = field(default=None, repr=False)
 
     @property
     def cfg(self) -> ModelConfig:
@@ -240,54 +187,6 @@ class SpelwFile:
         """Drop the mapped pages of bytes [start, end) from this process's resident
         set (they stay in the page cache).  Keeps streaming conversions' RSS flat."""
         drop_pages(self._mm, start, end)
-
-
-class PageDroppingWeights(Mapping):
-    """A read-only mapping over memory-mapped tensor views that, on each lookup,
-    drops the mapped pages of the tensor looked up before.  A consumer that copies
-    tensors one at a time (``SpelModel.from_weights``) then never has the file's
-    pages and its own copy resident together.  Views stay valid (pages fault back in
-    from the page cache), so this is only a residency hint."""
-
-    def __init__(self, tensors: dict, release_one):
-        self._tensors, self._release_one, self._prev = tensors, release_one, None
-
-    def __getitem__(self, name):
-        a = self._tensors[name]
-        if self._prev is not None and self._prev != name:
-            self._release_one(self._prev)
-        self._prev = name
-        return a
-
-    def __iter__(self):
-        return iter(self._tensors)
-
-    def __len__(self):
-        return len(self._tensors)
-
-
-def drop_pages(mm, start: int, end: int):
-    if mm is None or not hasattr(mm, "madvise") or not hasattr(mmap, "MADV_DONTNEED"):
-        return
-    page = mmap.PAGESIZE
-    lo = (start // page) * page
-    hi = min(((end + page - 1) // page) * page, len(mm))
-    if hi > lo:
-        try:
-            mm.madvise(mmap.MADV_DONTNEED, lo, hi - lo)
-        except (OSError, ValueError):
-            pass  # advisory only
-
-
-def map_file(path):
-    """Read-only mmap of a whole file (None for an empty file) and its size."""
-    try:
-        with open(path, "rb") as f:
-            size = os.fstat(f.fileno()).st_size
-            mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) if size else None
-    except OSError as e:
-        raise CheckpointError(path, f"cannot read: {e.strerror or e}") from None
-    return mm, size
 
 
 def read_spelw(path) -> SpelwFile:
@@ -362,100 +261,6 @@ def _parse_footer(mm, path, size, off, vocab) -> Golden:
 
 
 # --------------------------------------------------------------------------- writer
-
-class Progress:
-    """Byte progress on stderr: a rewritten line on a terminal, ~10% steps otherwise."""
-
-    def __init__(self, label: str, total: int, stream=None, enabled: bool = True):
-        self.label, self.total = label, max(int(total), 1)
-        self.stream = sys.stderr if stream is None else stream
-        self.enabled = enabled
-        self.tty = bool(getattr(self.stream, "isatty", lambda: False)())
-        self.last_step, self.t0, self.done = -1, time.perf_counter(), 0
-
-    def __call__(self, done: int):
-        if not self.enabled:
-            return
-        self.done = done
-        pct = min(100, int(100 * done / self.total))
-        step = pct if self.tty else pct // 10
-        if step == self.last_step:
-            return
-        self.last_step = step
-        mb, tot = done / 2**20, self.total / 2**20
-        msg = f"{self.label}: {pct:3d}% ({mb:.1f}/{tot:.1f} MiB, {time.perf_counter() - self.t0:.1f} s)"
-        self.stream.write(("\r" + msg) if self.tty else (msg + "\n"))
-        if self.tty and pct >= 100:
-            self.stream.write("\n")
-        self.stream.flush()
-
-
-_CHUNK_ELEMS = 1 << 22  # 16 MiB of f32 per write when a conversion is needed
-
-
-def write_f32(f, arr) -> int:
-    """Write ``arr`` as little-endian float32, row-major.  A float32 C-contiguous
-    array is written straight from its buffer; anything else in bounded chunks."""
-    a = np.asarray(arr)
-    if a.dtype == np.dtype("<f4") and a.flags.c_contiguous:
-        if a.size:
-            f.write(memoryview(a).cast("B"))
-        return a.nbytes
-    rows = a.reshape(a.shape[0], -1) if a.ndim > 1 else a.reshape(-1, 1)
-    step = max(1, _CHUNK_ELEMS // max(1, rows.shape[1]))
-    for r in range(0, rows.shape[0], step):
-        f.write(np.ascontiguousarray(rows[r:r + step], dtype="<f4").tobytes())
-    return 4 * a.size
-
-
-def _new_file_mode(path) -> int:
-    """The mode a plain open() would give: the old file's, else 0666 & ~umask."""
-    try:
-        return os.stat(path).st_mode & 0o777
-    except OSError:
-        mask = os.umask(0)
-        os.umask(mask)
-        return 0o666 & ~mask
-
-
-class AtomicFile:
-    """A temp file beside ``path`` that replaces ``path`` only on commit()."""
-
-    def __init__(self, path):
-        self.path = os.fspath(path)
-        d = os.path.dirname(os.path.abspath(self.path))
-        fd, self.tmp_path = tempfile.mkstemp(prefix="." + os.path.basename(self.path) + ".", suffix=".tmp", dir=d)
-        self.f = os.fdopen(fd, "w+b")
-        os.chmod(self.tmp_path, _new_file_mode(self.path))  # mkstemp makes 0600
-        self.done = False
-
-    def commit(self):
-        self.f.flush()
-        os.fsync(self.f.fileno())
-        self.f.close()
-        os.replace(self.tmp_path, self.path)
-        self.done = True
-
-    def abort(self):
-        if not self.f.closed:
-            try:
-                self.f.close()
-            except OSError:  # the buffered tail cannot be written either (disk full): still remove
-                pass
-        if not self.done and os.path.exists(self.tmp_path):
-            os.unlink(self.tmp_path)
-        self.done = True
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, et, ev, tb):
-        if et is None and not self.done:
-            self.commit()
-        else:
-            self.abort()
-        return False
-
 
 class SpelwWriter:
     """Streaming SPELW001 writer.

@@ -10,11 +10,14 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .config import ModelConfig
-from .layout import tensor_specs
-from .spelw import MAGIC, CheckpointError, Golden, PageDroppingWeights, read_spelw
+from ..config import ModelConfig
+from ..layout import tensor_specs
+from .files import PageDroppingWeights
+from .footer import Golden
+from .rules import CheckpointError
+from .spelw import MAGIC, read_spelw
 
-DEFAULT_DIR = Path(__file__).resolve().parent / "assets" / "default"
+DEFAULT_DIR = Path(__file__).resolve().parent.parent / "assets" / "default"
 DEFAULT_MODEL_FILE = "model.safetensors"
 
 
@@ -86,7 +89,7 @@ def load_checkpoint(path=None) -> Checkpoint:
     if not os.path.exists(path):
         raise CheckpointError(path, "no such file or folder")
     if os.path.isdir(path) or (path.endswith(".safetensors") and not is_spelw(path)):
-        from .converters import SafetensorsModel
+        from ..converters import SafetensorsModel
 
         st = SafetensorsModel(path)
         weights = {s.name: st.f32(s.name) for s in tensor_specs(st.cfg)}
