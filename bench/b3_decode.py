@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import contextlib
 
-from spel_mlx.placement import DeviceDraft
+from spel_mlx.decoding.placement import DeviceProposer
 
 from . import common
 from .b2_verify import device_stream, get_model
@@ -88,7 +88,7 @@ def draft_only_mlx(model, prompt, n: int, ring: int) -> float:
 
 def decode(model, draft, mode, K, prompt, warm, gen, forced_alpha=None):
     """(stats) of one timed generate call after an untimed warm call."""
-    from spel_mlx.speculative import SpeculativeDecoder
+    from spel_mlx.decoding import SpeculativeDecoder
     dec = SpeculativeDecoder(model, draft, mode=mode, k=K, forced_alpha=forced_alpha)
     if warm:
         dec.generate(prompt, warm)
@@ -134,7 +134,7 @@ def draft_placements(threads: list, drafts=("c", "mlx")) -> list:
     out = [("draft=c-cpu", "c", t, "cpu" if "c" in drafts else None,
             "" if "c" in drafts else "not in this level's protocol") for t in threads]
     # the C draft drafting the next round on the other core during verification
-    # (PipelinedCDraft, generate's default for greedy decoding with 1 draft thread)
+    # (CDraftAheadProposer, generate's default for greedy decoding with 1 draft thread)
     out.append(("draft=c-cpu ahead", "c-ahead", 1, "cpu" if "c" in drafts else None,
                 "" if "c" in drafts else "not in this level's protocol"))
     out.append(("draft=mlx-cpu", "mlx", None, "cpu" if "mlx" in drafts else None,
@@ -150,7 +150,7 @@ SPEC_MODES = (("raw spec", "spec", None), ("governed spec", "governed", None),
 
 def run(job: dict, regime: dict) -> list:
     import spel_mlx  # noqa: F401
-    from spel_mlx.speculative import make_draft
+    from spel_mlx.decoding import make_proposer
 
     cfg, name = regime["cfg"], regime["name"]
     K, warm, gen, prompt = job["K"], job["warm"], job["gen"], regime["prompt"]
@@ -169,11 +169,11 @@ def run(job: dict, regime: dict) -> list:
             continue
         with device_stream(tgt_dev):
             rows += run_target_placement(job, regime, tgt_label, tgt_dev, K, warm, gen, prompt,
-                                         threads, make_draft)
+                                         threads, make_proposer)
     return rows
 
 
-def run_target_placement(job, regime, tgt_label, tgt_dev, K, warm, gen, prompt, threads, make_draft):
+def run_target_placement(job, regime, tgt_label, tgt_dev, K, warm, gen, prompt, threads, make_proposer):
     name, cfg = regime["name"], regime["cfg"]
     rows = []
     model = get_model(regime)
@@ -194,8 +194,8 @@ def run_target_placement(job, regime, tgt_label, tgt_dev, K, warm, gen, prompt, 
                 rows.append(unavailable(SECTION, label, reason, mode=mode, status=status, **fields))
             continue
         try:
-            engine = make_draft("c" if kind == "c-ahead" else kind, model, regime["weights"], k=K,
-                                threads=th or 1, pipeline=(kind == "c-ahead"))
+            engine = make_proposer("c" if kind == "c-ahead" else kind, model, regime["weights"], k=K,
+                                threads=th or 1, ahead=(kind == "c-ahead"))
         except Exception as e:
             why = f"draft {kind!r} could not be built: {type(e).__name__}: {e}"
             rows.append(unavailable(SECTION, "draft only", why, mode="draft-only", **fields))
@@ -203,7 +203,7 @@ def run_target_placement(job, regime, tgt_label, tgt_dev, K, warm, gen, prompt, 
                 rows.append(unavailable(SECTION, label, why, mode=mode, **fields))
             continue
         if ddev != tgt_dev:
-            engine = DeviceDraft(engine, ddev)
+            engine = DeviceProposer(engine, ddev)
         try:
             n_only = max(16, 2 * gen)
             with (device_stream(ddev) if kind == "mlx" else contextlib.nullcontext()):
@@ -231,7 +231,7 @@ def run_target_placement(job, regime, tgt_label, tgt_dev, K, warm, gen, prompt, 
     # the full target as its own draft: the ceiling a target-sized draft can reach
     fields = dict(regime=name, placement=f"{tgt_label} draft=target", threads=None, K=K)
     try:
-        engine = make_draft("target", model, k=K)
+        engine = make_proposer("target", model, k=K)
         st, _ = decode(model, engine, "oracle", K, prompt, warm, gen)
         rows.append(make_row(SECTION, "full-target oracle", mode="oracle", primary="tok_s",
                              metrics=cost_fields(st, ar_token_s, ar_tok_s, K), **fields))
@@ -243,7 +243,7 @@ def run_target_placement(job, regime, tgt_label, tgt_dev, K, warm, gen, prompt, 
     if Kc and Kc != K:
         fields = dict(regime=name, placement=f"{tgt_label} draft=c-cpu", threads=1, K=Kc)
         try:
-            engine = make_draft("c", model, regime["weights"], k=Kc, threads=1)
+            engine = make_proposer("c", model, regime["weights"], k=Kc, threads=1)
             st, _ = decode(model, engine, "forced", Kc, prompt, warm, gen, forced_alpha=1.0)
             rows.append(make_row(SECTION, "forced 1.00", mode="forced", primary="tok_s",
                                  metrics=cost_fields(st, ar_token_s, ar_tok_s, Kc), forced_alpha=1.0,

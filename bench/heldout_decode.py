@@ -22,7 +22,7 @@ import statistics
 import sys
 
 import spel_mlx  # noqa: F401  (BLAS before mlx.core)
-from spel_mlx import speculative as sp
+from spel_mlx import decoding as sp
 from spel_mlx.checkpoints import load_checkpoint
 from spel_mlx.model import SpelModel
 from spel_mlx.tokenizer import load_tokenizer
@@ -74,8 +74,8 @@ def main(argv=None) -> int:
     prompts = heldout_prompts(tok, a.data, a.texts, a.prompt)
     decoders = {}
     for label, mode, kind, threads, gov, ahead in MODES:
-        draft = None if kind is None else sp.make_draft(kind, model, weights=ck.weights, k=a.k,
-                                                         threads=threads or None, pipeline=ahead)
+        draft = None if kind is None else sp.make_proposer(kind, model, weights=ck.weights, k=a.k,
+                                                         threads=threads or None, ahead=ahead)
         decoders[label] = sp.SpeculativeDecoder(model, draft, mode, k=a.k, governor=gov)
     llama = peers.build_llama(cfg)
     rows = []

@@ -58,7 +58,7 @@ def pool_threads():
 
 
 def bench_gemv(quick: bool) -> list:
-    from spel_mlx import draft
+    from spel_mlx.native import cdraft as draft
 
     rng = np.random.default_rng(0)
     w = (rng.standard_normal((ROWS, COLS)) * 0.02).astype(np.float32)
@@ -133,7 +133,7 @@ def draft_weights(cfg, seed=0) -> dict:
 
 
 def bench_draft(quick: bool) -> list:
-    from spel_mlx import draft
+    from spel_mlx.native import cdraft as draft
     from spel_mlx.config import PRESETS
 
     rows = []

@@ -580,7 +580,7 @@ def render(results, plots=(), plot_note="", md_dir=".") -> str:
     L.append(b3_section(results))
     L.append("## Placement calibration (`--placement auto`)")
     L.append("")
-    L.append("`spel_mlx.placement.calibrate_placement` times one AR token, one K+1 verification "
+    L.append("`spel_mlx.decoding.placement.calibrate_placement` times one AR token, one K+1 verification "
              "and one draft token per placement and ranks by the round cost `(K+1)·c + v` "
              "(the cost model's denominator: the order is the same at every alpha). Rank is "
              "per process run; the median is shown.")

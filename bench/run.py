@@ -265,7 +265,7 @@ def run_section(section: str, job: dict, regime: dict) -> list:
 
 def run_placement(job: dict, regime: dict) -> list:
     """The calibration behind ``--placement auto``: c and v per placement, ranked."""
-    from spel_mlx.placement import calibrate_placement
+    from spel_mlx.decoding.placement import calibrate_placement
     from .b2_verify import get_model
     ranked = calibrate_placement(get_model(regime), regime["weights"], k=job["K"],
                                  threads=job["threads"], alpha=PLACEMENT_ALPHA,

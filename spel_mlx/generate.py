@@ -19,6 +19,10 @@ import os
 import sys
 import time
 
+from .loading import LoadError, NoCheckpoint, load_for_decoding
+from .native import clib
+from .textstream import TextStream
+
 DEFAULT_PROMPT = "It is a truth universally acknowledged, that"
 DEFAULT_MAX_TOKENS = 200
 # Sampling defaults for the shipped model: small models loop under pure greedy,
@@ -33,10 +37,6 @@ MODE_HELP = "ar | spec | governed | oracle | forced=ALPHA (forced and oracle are
 
 class UsageError(Exception):
     """Bad command line or input: one line, exit 2."""
-
-
-class NoCheckpoint(Exception):
-    """No trained checkpoint installed: one line, exit 1."""
 
 
 class _Parser(argparse.ArgumentParser):
@@ -94,7 +94,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def parse_mode(s: str):
     """'forced=0.75' -> ('forced', 0.75); others -> (mode, None)."""
-    from .speculative import MODES
+    from .decoding import MODES
     s = s.strip()
     if s.startswith("forced"):
         _, eq, val = s.partition("=")
@@ -134,139 +134,99 @@ def _utf8_text(text: str, source: str) -> str:
     return text
 
 
-def find_tokenizer_path(args, ckpt_path: str, vocab: int):
-    if args.tokenizer:
-        return args.tokenizer
-    if vocab == 128:  # the original's ASCII byte vocabulary, whatever lies beside the file
-        return None
-    folder = ckpt_path if os.path.isdir(ckpt_path) else os.path.dirname(os.path.abspath(ckpt_path))
-    beside = os.path.join(folder, "tokenizer.model")
-    return beside if os.path.isfile(beside) else None
+def check_args(args):
+    """The numeric flags' ranges (argparse only checks their types)."""
+    if args.spec_k is not None and not (1 <= args.spec_k <= 16):
+        raise UsageError(f"--spec-k {args.spec_k}: must be in 1..16")
+    if args.draft_threads is not None and not (1 <= args.draft_threads <= 6):
+        raise UsageError(f"--draft-threads {args.draft_threads}: must be in 1..6")
+    if args.max_tokens < 0:
+        raise UsageError(f"--max-tokens {args.max_tokens}: must be >= 0")
+    if args.governor_resume < 0:
+        raise UsageError(f"--governor-resume {args.governor_resume}: must be >= 0")
+    if args.governor_grace < 0:
+        raise UsageError(f"--governor-grace {args.governor_grace}: must be >= 0")
+    if args.governor_window < 1:
+        raise UsageError(f"--governor-window {args.governor_window}: must be >= 1")
+    if not (0.0 <= args.alpha_threshold <= 1.0):
+        raise UsageError(f"--alpha-threshold {args.alpha_threshold}: must be in [0, 1]")
 
 
-class TextStream:
-    """Incremental detokenization.  Each round decodes only the tokens not yet
-    printed, after a few already-printed ones (so a leading SentencePiece space
-    survives); text ending in an incomplete UTF-8 sequence is held back until
-    the next round completes it.  O(tokens) overall, not O(tokens^2)."""
-
-    ANCHOR = 8
-
-    def __init__(self, tokenizer, context, out, enabled: bool):
-        self.tok, self.out, self.enabled = tokenizer, out, enabled
-        self.context = list(context[-self.ANCHOR:])
-        self.anchor = list(self.context)
-        self.unprinted: list = []
-        self.tokens: list = []
-
-    def _decode_after(self, anchor, toks) -> str:
-        base = self.tok.decode(anchor)
-        full = self.tok.decode(anchor + toks)
-        return full[len(base):] if full.startswith(base) else self.tok.decode(toks)
-
-    def text(self) -> str:
-        return self._decode_after(self.context, self.tokens)
-
-    def push(self, tokens):
-        self.tokens.extend(tokens)
-        if not self.enabled:
-            return
-        self.unprinted.extend(tokens)
-        new = self._decode_after(self.anchor, self.unprinted)
-        if not new or new.endswith("\ufffd"):
-            return
-        self.out.write(new)
-        self.out.flush()
-        self.anchor = (self.anchor + self.unprinted)[-self.ANCHOR:]
-        self.unprinted = []
-
-    def finish(self):
-        if self.enabled:
-            if self.unprinted:
-                self.out.write(self._decode_after(self.anchor, self.unprinted))
-        else:
-            self.out.write(self.text())
-        self.out.write("\n")
-        self.out.flush()
+def sampling_params(args):
+    from .decoding import sampling as smp
+    penalty = args.repetition_penalty
+    if penalty is None:  # --temperature 0 alone means exact greedy
+        penalty = 1.0 if args.temperature == 0 else DEFAULT_REPETITION_PENALTY
+    params = smp.SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+                                repetition_penalty=penalty, seed=args.seed)
+    try:
+        return params.validate()
+    except smp.SamplingError as e:
+        raise UsageError(str(e)) from None
 
 
-def _load(args):
-    """Checkpoint, config, tokenizer, model -- every failure as a one-line error."""
-    from .checkpoints import default_checkpoint_dir, load_checkpoint
-    from .config import ConfigError, resolve_config
-    from .checkpoints import CheckpointError
-    from .tokenizer import TokenizerError, load_tokenizer
+def load(args):
+    """(checkpoint, config, tokenizer, model) for the command line's flags."""
+    try:
+        return load_for_decoding(args.checkpoint, args.config, args.spec_k, args.tokenizer)
+    except LoadError as e:
+        raise UsageError(str(e)) from None
 
-    path = args.checkpoint or os.environ.get("SPEL_WEIGHTS", "").strip() or None
-    if path is None:
+
+def choose_proposer(args, mode, params, model, ck, k, prompt, stderr):
+    """(proposer or None, the placement chosen by --placement auto or None)."""
+    if mode == "ar":
+        return None, None
+    from .decoding.factory import default_draft_threads, make_proposer
+    draft_kind = args.draft
+    if mode == "oracle":
+        if draft_kind not in (None, "target"):
+            raise UsageError(f"--mode oracle drafts with the full target; --draft {draft_kind} conflicts")
+        draft_kind = "target"
+    if args.placement == "auto":
+        if args.draft is not None:
+            raise UsageError("--placement auto chooses the draft itself; drop --draft")
+        from .decoding import placement as plc
         try:
-            path = str(default_checkpoint_dir())
-        except CheckpointError as e:
-            raise NoCheckpoint(str(e)) from None
+            ranked = plc.calibrate_placement(model, ck.weights, k=k, prompt=prompt[-8:],
+                                             include_unavailable=False)
+            if not ranked:
+                raise UsageError("--placement auto: no placement could be calibrated")
+            proposer = plc.apply_placement(ranked[0], model, ck.weights, k=k)
+        except plc.PlacementError as e:
+            raise UsageError(f"--placement auto: {e}") from None
+        if args.stats:
+            print(plc.format_ranking(ranked), file=stderr)
+        return proposer, ranked[0]
+    c_built = clib.available()
+    if draft_kind is None:
+        draft_kind = "c" if c_built else "mlx"
     try:
-        ck = load_checkpoint(path)
-    except CheckpointError as e:
-        raise UsageError(f"checkpoint: {e}") from None
-    except (OSError, ValueError) as e:
-        raise UsageError(f"checkpoint {path}: {e}") from None
-    overrides = {}
-    if args.spec_k is not None:
-        overrides["spec_k"] = args.spec_k
-    try:
-        cfg = resolve_config(checkpoint=ck.cfg, overrides=args.config)
-        if overrides:
-            cfg = resolve_config(checkpoint=cfg, overrides=overrides, use_env=False)
-    except ConfigError as e:
-        raise UsageError(f"config: {e}") from None
-    try:
-        tok = load_tokenizer(cfg.vocab, find_tokenizer_path(args, ck.source, cfg.vocab))
-    except TokenizerError as e:
-        raise UsageError(f"tokenizer: {e}") from None
-    if getattr(tok, "vocab_size", cfg.vocab) != cfg.vocab:
-        raise UsageError(f"tokenizer: {tok.name} has {tok.vocab_size} symbols but the checkpoint's "
-                         f"vocab is {cfg.vocab}")
-    from . import kernels
-    from .model import SpelModel
-    model = SpelModel.from_weights(cfg, ck.weights)
-    try:
-        model.set_ops(kernels.select())  # SPEL_KERNELS; auto = Metal kernels where available
+        ahead = args.draft_ahead == "on" or (
+            args.draft_ahead == "auto" and (os.cpu_count() or 1) >= 2
+            and (args.draft_threads or default_draft_threads()) == 1)
+        proposer = make_proposer(draft_kind, model, ck.weights, k=k, threads=args.draft_threads,
+                                 strict=args.strict, auto_fallback="c" if c_built else "mlx",
+                                 ahead=ahead and params.greedy and not params.uses_penalty)
+    except ImportError as e:
+        raise UsageError(f"--draft {draft_kind}: the C draft module is not available ({e}); "
+                         f"reinstall with `pip install -e .` or use --draft mlx") from None
     except ValueError as e:
-        raise UsageError(f"SPEL_KERNELS: {e}") from None
-    return ck, cfg, tok, model
+        raise UsageError(f"--draft {draft_kind}: {e}") from None
+    return proposer, None
 
 
 def run(argv=None, stdout=None, stderr=None) -> int:
+    from .decoding import DecodeError, GovernorConfig, SpeculativeDecoder
     stdout = stdout or sys.stdout
     stderr = stderr or sys.stderr
     try:
         args = build_parser().parse_args(argv)
         mode, forced_alpha = parse_mode(args.mode)
-        if args.spec_k is not None and not (1 <= args.spec_k <= 16):
-            raise UsageError(f"--spec-k {args.spec_k}: must be in 1..16")
-        if args.draft_threads is not None and not (1 <= args.draft_threads <= 6):
-            raise UsageError(f"--draft-threads {args.draft_threads}: must be in 1..6")
-        if args.max_tokens < 0:
-            raise UsageError(f"--max-tokens {args.max_tokens}: must be >= 0")
-        if args.governor_resume < 0:
-            raise UsageError(f"--governor-resume {args.governor_resume}: must be >= 0")
-        if args.governor_grace < 0:
-            raise UsageError(f"--governor-grace {args.governor_grace}: must be >= 0")
-        if args.governor_window < 1:
-            raise UsageError(f"--governor-window {args.governor_window}: must be >= 1")
-        if not (0.0 <= args.alpha_threshold <= 1.0):
-            raise UsageError(f"--alpha-threshold {args.alpha_threshold}: must be in [0, 1]")
-        from . import sampling as smp
-        penalty = args.repetition_penalty
-        if penalty is None:  # --temperature 0 alone means exact greedy
-            penalty = 1.0 if args.temperature == 0 else DEFAULT_REPETITION_PENALTY
-        params = smp.SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-                                    repetition_penalty=penalty, seed=args.seed)
-        try:
-            params.validate()
-        except smp.SamplingError as e:
-            raise UsageError(str(e)) from None
+        check_args(args)
+        params = sampling_params(args)
         text = read_prompt(args)
-        ck, cfg, tok, model = _load(args)
+        ck, cfg, tok, model = load(args)
         prompt = tok.encode(text)
         if not prompt:
             raise UsageError("the prompt is empty: give at least one character")
@@ -275,52 +235,12 @@ def run(argv=None, stdout=None, stderr=None) -> int:
         if max(prompt) >= cfg.vocab:
             raise UsageError(f"tokenizer {tok.name} produced token {max(prompt)} outside the "
                              f"checkpoint's vocab of {cfg.vocab}")
-
-        from . import speculative as sp
         K = cfg.spec_k
-        draft_kind = args.draft
-        draft = None
-        if mode == "oracle":
-            if draft_kind not in (None, "target"):
-                raise UsageError(f"--mode oracle drafts with the full target; --draft {draft_kind} conflicts")
-            draft_kind = "target"
-        placement = None
-        if args.placement == "auto" and mode != "ar":
-            if args.draft is not None:
-                raise UsageError("--placement auto chooses the draft itself; drop --draft")
-            from . import placement as plc
-            try:
-                ranked = plc.calibrate_placement(model, ck.weights, k=K, prompt=prompt[-8:],
-                                                 include_unavailable=False)
-                if not ranked:
-                    raise UsageError("--placement auto: no placement could be calibrated")
-                placement = ranked[0]
-                draft = plc.apply_placement(placement, model, ck.weights, k=K)
-            except plc.PlacementError as e:
-                raise UsageError(f"--placement auto: {e}") from None
-            if args.stats:
-                print(plc.format_ranking(ranked), file=stderr)
-        elif mode != "ar":
-            if draft_kind is None:
-                draft_kind = "c" if _c_draft_available() else "mlx"
-            try:
-                ahead = args.draft_ahead == "on" or (
-                    args.draft_ahead == "auto" and (os.cpu_count() or 1) >= 2
-                    and (args.draft_threads or sp.default_draft_threads()) == 1)
-                draft = sp.make_draft(draft_kind, model, ck.weights, k=K, threads=args.draft_threads,
-                                      strict=args.strict,
-                                      auto_fallback="c" if _c_draft_available() else "mlx",
-                                      pipeline=ahead and params.greedy and not params.uses_penalty)
-            except ImportError as e:
-                raise UsageError(f"--draft {draft_kind}: the C draft module is not available ({e}); "
-                                 f"reinstall with `pip install -e .` or use --draft mlx") from None
-            except ValueError as e:
-                raise UsageError(f"--draft {draft_kind}: {e}") from None
-        gov = sp.GovernorConfig(window=args.governor_window, alpha_threshold=args.alpha_threshold,
-                                resume_after=args.governor_resume,
-                                zero_accept_grace=args.governor_grace)
-        dec = sp.SpeculativeDecoder(model, draft, mode, k=K, strict=args.strict, params=params,
-                                    governor=gov, forced_alpha=forced_alpha)
+        proposer, placement = choose_proposer(args, mode, params, model, ck, K, prompt, stderr)
+        gov = GovernorConfig(window=args.governor_window, alpha_threshold=args.alpha_threshold,
+                             resume_after=args.governor_resume, zero_accept_grace=args.governor_grace)
+        dec = SpeculativeDecoder(model, proposer, mode, k=K, strict=args.strict, params=params,
+                                 governor=gov, forced_alpha=forced_alpha)
     except NoCheckpoint as e:
         print(f"error: {e}", file=stderr)
         return 1
@@ -338,7 +258,7 @@ def run(argv=None, stdout=None, stderr=None) -> int:
         dec.generate(prompt, args.max_tokens, on_tokens=stream.push, calibrate=args.stats)
     except KeyboardInterrupt:
         code = 130
-    except sp.DecodeError as e:
+    except DecodeError as e:
         print(f"error: {e}", file=stderr)
         return 2
     except BrokenPipeError:
@@ -363,7 +283,7 @@ def run(argv=None, stdout=None, stderr=None) -> int:
                   "vocab": cfg.vocab, "temperature": params.temperature, "top_p": params.top_p,
                   "top_k": params.top_k, "repetition_penalty": params.repetition_penalty,
                   "seed": params.seed,
-                  "draft_threads": _draft_threads(draft)})
+                  "draft_threads": proposer.threads if proposer is not None else None})
         if forced_alpha is not None:
             d["forced_alpha"] = forced_alpha
         if placement is not None:
@@ -371,21 +291,6 @@ def run(argv=None, stdout=None, stderr=None) -> int:
         print(json.dumps(d), file=stderr, flush=True)
     dec.close()
     return code
-
-
-def _draft_threads(draft):
-    """Worker threads of the C draft in use (also behind `auto`), else None."""
-    inner = getattr(draft, "model_draft", draft)
-    return getattr(getattr(inner, "d", None), "threads", None)
-
-
-def _c_draft_available() -> bool:
-    try:
-        from . import draft as cdraft
-        cdraft._lib()
-        return True
-    except Exception:
-        return False
 
 
 def main(argv=None) -> int:

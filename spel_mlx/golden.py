@@ -5,7 +5,7 @@ holds the logits at each position for the FP32 target and for the QUANTIZED
 draft (q8 wqkv/wo, ternary w1/w3/w2, per-vector int8 activations; SPEC 3).
 
 Target: the MLX model (``SpelModel``, strict single-token steps).
-Draft: the C engine ``spel_mlx.draft.CDraft`` when it can be imported and built;
+Draft: the C engine ``spel_mlx.native.cdraft.CDraft`` when it can be imported and built;
 otherwise a numpy fake-quant forward over ``spel_mlx.quant`` (the reference the
 C engine is tested against).  ``golden_backends()`` says which paths ran.
 """
@@ -65,7 +65,7 @@ def target_logits_mlx(cfg: ModelConfig, weights: dict, tokens) -> np.ndarray:
 def draft_logits_c(cfg: ModelConfig, weights: dict, tokens) -> np.ndarray:
     """Quantized-draft logits [n, V] from the C engine (raises ImportError/OSError
     when the engine is unavailable)."""
-    from .draft import CDraft
+    from .native.cdraft import CDraft
 
     toks = _check_tokens(cfg, tokens)
     d = CDraft(cfg, weights, threads=1)

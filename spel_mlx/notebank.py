@@ -749,9 +749,9 @@ def _demo_spec(model, bank, tokens, needle, tokenizer, n: int) -> dict:
     """Speculative greedy run on the answer of the first needle's read branch
     (context + token replay of its top notes + query), checked against AR."""
     try:
-        from . import speculative as spec
+        from . import decoding as spec
     except ImportError as e:  # the engine is a separate part; the demo works without it
-        return {"skipped": f"spel_mlx.speculative unavailable: {e}"}
+        return {"skipped": f"spel_mlx.decoding unavailable: {e}"}
     if n <= 0:
         return {"skipped": "--spec-tokens 0"}
     state = model.new_state("target")
@@ -766,9 +766,9 @@ def _demo_spec(model, bank, tokens, needle, tokenizer, n: int) -> dict:
     ar_out = ar.generate(prompt, n)
     # the C ternary/q8 draft (SPEC 3) when it is built, else the FP32 MLX draft layers
     try:
-        draft, draft_name = spec.make_draft("c", model, model.weights_dict(), k=K), "C ternary/q8"
+        draft, draft_name = spec.make_proposer("c", model, model.weights_dict(), k=K), "C ternary/q8"
     except (ImportError, OSError, ValueError):
-        draft, draft_name = spec.make_draft("mlx", model, k=K), "MLX FP32"
+        draft, draft_name = spec.make_proposer("mlx", model, k=K), "MLX FP32"
     sd = spec.SpeculativeDecoder(model, draft, mode="spec", k=K)
     try:
         t0 = time.perf_counter()

@@ -39,8 +39,8 @@ def _bits_differ(a, b) -> int:
 
 def _cdraft_module():
     try:
-        from . import draft as cdraft
-        cdraft._lib()
+        from .native import cdraft, clib
+        clib.require()
         return cdraft
     except Exception as e:  # noqa: BLE001  not built / not importable
         raise Skip(f"C draft unavailable ({type(e).__name__}: {e})") from None
@@ -74,20 +74,20 @@ class Context:
         for (pi, m, st), toks in self._ar.items():
             if pi == prompt_i and st == strict and m >= n:
                 return toks[:n]
-        from .speculative import SpeculativeDecoder
+        from .decoding import SpeculativeDecoder
         toks = SpeculativeDecoder(self.model, None, "ar", k=4, strict=strict).generate(
             self.prompts[prompt_i], n)
         self._ar[(prompt_i, n, strict)] = toks
         return toks
 
     def draft(self, k: int, threads: int = 1, strict: bool = True):
-        """The C draft when built, else the MLX FP32 draft stack."""
-        from . import speculative as sp
+        """A proposer: the C draft when built, else the MLX FP32 draft stack."""
+        from .decoding import make_proposer
         try:
             _cdraft_module()
-            return sp.make_draft("c", self.model, self.weights, k=k, threads=threads)
+            return make_proposer("c", self.model, self.weights, k=k, threads=threads)
         except Skip:
-            return sp.make_draft("mlx", self.model, k=k, strict=strict)
+            return make_proposer("mlx", self.model, k=k, strict=strict)
 
 
 # ------------------------------------------------------------------- suites
@@ -151,12 +151,12 @@ def suite_batched(ctx):
 
 
 def suite_spec_fidelity(ctx):
-    from . import speculative as sp
+    from .decoding import SpeculativeDecoder, make_proposer
     parts, ok = [], True
     for K, mode, n in ((4, "spec", 40), (4, "governed", 32), (16, "spec", 32), (16, "governed", 32)):
         ref = ctx.ar(0, n)
         draft = ctx.draft(K)
-        dec = sp.SpeculativeDecoder(ctx.model, draft, mode, k=K, strict=True)
+        dec = SpeculativeDecoder(ctx.model, draft, mode, k=K, strict=True)
         out = dec.generate(ctx.prompts[0], n)
         draft.close()
         same = sum(a == b for a, b in zip(out, ref)) if len(out) == len(ref) else 0
@@ -167,7 +167,7 @@ def suite_spec_fidelity(ctx):
     # the full target as its own draft: every proposal must be accepted (strict rows are
     # bit-identical), which exercises the accept path a random draft rarely reaches
     ref = ctx.ar(0, 40)
-    dec = sp.SpeculativeDecoder(ctx.model, sp.make_draft("target", ctx.model, k=4, strict=True),
+    dec = SpeculativeDecoder(ctx.model, make_proposer("target", ctx.model, k=4, strict=True),
                                 "oracle", k=4, strict=True)
     out = dec.generate(ctx.prompts[0], 40)
     ok &= out == ref and dec.stats.alpha == 1.0
@@ -200,11 +200,11 @@ def suite_notebank(ctx):
 
 def suite_fast_path(ctx):
     import mlx.core as mx
-    from . import speculative as sp
+    from .decoding import SpeculativeDecoder
     n = 24
     ref = ctx.ar(0, n, strict=True)
     draft = ctx.draft(4, strict=False)
-    dec = sp.SpeculativeDecoder(ctx.model, draft, "spec", k=4, strict=False)
+    dec = SpeculativeDecoder(ctx.model, draft, "spec", k=4, strict=False)
     out = dec.generate(ctx.prompts[0], n)
     draft.close()
     same = sum(a == b for a, b in zip(out, ref))
@@ -221,13 +221,13 @@ def suite_fast_path(ctx):
 
 
 def suite_forced(ctx):
-    from . import speculative as sp
+    from .decoding import SpeculativeDecoder
     parts, ok = [], True
     for alpha, rounds in ((0.75, 10), (1.0, 8)):
         K = 4
         n_tokens = rounds * (int(alpha * K) + 1)
         draft = ctx.draft(K)
-        dec = sp.SpeculativeDecoder(ctx.model, draft, "forced", k=K, forced_alpha=alpha, strict=True)
+        dec = SpeculativeDecoder(ctx.model, draft, "forced", k=K, forced_alpha=alpha, strict=True)
         out = dec.generate(ctx.prompts[1], n_tokens)
         st = dec.stats
         want_acc = int(round(alpha * K * rounds))

@@ -224,7 +224,7 @@ def tiny_model():
 
 
 def test_calibrate_placement_ranks_by_the_cost_model(tiny_model):
-    from spel_mlx import placement
+    from spel_mlx.decoding import placement
     model, weights = tiny_model
     ranked = placement.calibrate_placement(model, weights, k=4, threads=[1, 2], alpha=0.5, reps=3)
     avail = [p for p in ranked if p.available]
@@ -253,7 +253,7 @@ def test_calibrate_placement_ranks_by_the_cost_model(tiny_model):
 
 
 def test_calibrate_placement_without_weights_and_bad_requests(tiny_model):
-    from spel_mlx import placement
+    from spel_mlx.decoding import placement
     model, _ = tiny_model
     ranked = placement.calibrate_placement(model, None, k=2, threads=[1], reps=2)
     c_rows = [p for p in ranked if p.draft == "c" and p.target_device == "cpu"]
@@ -265,8 +265,8 @@ def test_calibrate_placement_without_weights_and_bad_requests(tiny_model):
 
 
 def test_apply_placement_returns_a_working_draft(tiny_model):
-    from spel_mlx import placement
-    from spel_mlx.speculative import SpeculativeDecoder
+    from spel_mlx.decoding import placement
+    from spel_mlx.decoding import SpeculativeDecoder
     model, weights = tiny_model
     best = placement.choose_placement(model, weights, k=2, threads=[1], reps=2)
     engine = placement.apply_placement(best, model, weights)

@@ -191,7 +191,7 @@ def test_c_draft_matches_numpy_fakequant(synth_file):
     """The golden draft path (C engine when it builds) agrees with the numpy
     fake-quant reference of SPEC 3 on every argmax."""
     try:
-        from spel_mlx.draft import CDraft  # noqa: F401
+        from spel_mlx.native.cdraft import CDraft  # noqa: F401
     except (ImportError, OSError) as e:
         pytest.skip(f"C draft unavailable: {e}")
     f = read_spelw(synth_file)

@@ -254,6 +254,7 @@ def test_spel_spec_k_env(ckpt, monkeypatch):
 
 @pytest.mark.parametrize("kind", ["bytes", "sentencepiece"])
 def test_text_stream_equals_one_shot_decode(kind):
+    from spel_mlx.textstream import TextStream
     from spel_mlx.tokenizer import DEFAULT_SP_MODEL, ByteTokenizer, SentencePieceTokenizer
     if kind == "bytes":
         tok = ByteTokenizer()
@@ -268,7 +269,7 @@ def test_text_stream_equals_one_shot_decode(kind):
     rng = np.random.default_rng(0)
     for trial in range(5):
         out = io.StringIO()
-        ts = gen.TextStream(tok, prompt, out, enabled=True)
+        ts = TextStream(tok, prompt, out, enabled=True)
         i = 0
         while i < len(gen_toks):
             n = int(rng.integers(1, 6))
@@ -277,7 +278,7 @@ def test_text_stream_equals_one_shot_decode(kind):
             assert "\ufffd" not in out.getvalue() or "\ufffd" in ts.text()
         ts.finish()
         one = io.StringIO()
-        ts2 = gen.TextStream(tok, prompt, one, enabled=False)
+        ts2 = TextStream(tok, prompt, one, enabled=False)
         ts2.push(gen_toks)
         ts2.finish()
         assert out.getvalue() == one.getvalue()

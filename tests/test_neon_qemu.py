@@ -132,7 +132,7 @@ def test_draft_step_on_arm64(binaries, tmp_path):
     for key, v in outs.items():
         assert np.array_equal(v.view(np.uint32), base.view(np.uint32)), key
     # the arm64 build agrees with the x86 build (libm may differ in the last bits)
-    from spel_mlx.draft import CDraft
+    from spel_mlx.native.cdraft import CDraft
     with CDraft(CFG, weights, threads=1) as d:
         host = d.forward_logits(tokens)
     assert np.abs(host - base).max() < 1e-4

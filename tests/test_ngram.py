@@ -3,7 +3,7 @@ import numpy as np
 import pytest
 
 import spel_mlx  # noqa: F401
-from spel_mlx.ngram import NgramIndex, propose_ngram
+from spel_mlx.decoding.ngram import NgramIndex, propose_ngram
 
 
 def test_copies_continuation_of_latest_match():

@@ -341,13 +341,14 @@ def test_token_rank():
     assert nb.token_rank(np.array([0.5, 0.5, 0.3], np.float32), 1) == 1   # ties in its favour
 
 
-HAVE_SPEC = importlib.util.find_spec("spel_mlx.speculative") is not None
+HAVE_SPEC = importlib.util.find_spec("spel_mlx.decoding") is not None
 
 
 @needs_model
-@pytest.mark.skipif(not HAVE_SPEC, reason="spel_mlx.speculative not available")
+@pytest.mark.skipif(not HAVE_SPEC, reason="spel_mlx.decoding not available")
 def test_notebank_to_spec_keeps_greedy_fidelity(toy):
-    from spel_mlx import speculative as spec
+    from spel_mlx import decoding as spec
+    from spel_mlx.decoding.mlx_proposer import MLXProposer
     model, _, tokens, needles, _, _ = toy
     ctx = tokens[:128]
     bank = nb.NoteBank(model, nb.NoteBankConfig(chunk=64))
@@ -356,7 +357,7 @@ def test_notebank_to_spec_keeps_greedy_fidelity(toy):
     top = bank.retrieve(st, needles[0].query).top
     prompt = ctx + [t for n in bank.replay_order(top) for t in bank.span_tokens(n)] + needles[0].query
     ar = spec.SpeculativeDecoder(model, None, mode="ar", k=4, strict=True).generate(prompt, 12)
-    sd = spec.SpeculativeDecoder(model, spec.ModelDraft(model, "draft", ring=5, strict=True),
+    sd = spec.SpeculativeDecoder(model, MLXProposer(model, "draft", ring=5, strict=True),
                                  mode="spec", k=4, strict=True)
     try:
         out = sd.generate(prompt, 12)

@@ -5,7 +5,7 @@ import pytest
 
 from spel_mlx import quant
 
-draft = pytest.importorskip("spel_mlx.draft")
+draft = pytest.importorskip("spel_mlx.native.cdraft")
 if draft.lib is None:
     pytest.skip("C draft engine not built", allow_module_level=True)
 

@@ -14,8 +14,14 @@ import pytest
 import spel_mlx  # noqa: F401
 import mlx.core as mx
 
-from spel_mlx import sampling as smp
-from spel_mlx import speculative as sp
+from spel_mlx.decoding import (DecodeError, Governor, GovernorConfig, RoundResult, SpeculativeDecoder,
+                               make_proposer)
+from spel_mlx.decoding import sampling as smp
+from spel_mlx.decoding.auto import AutoProposer
+from spel_mlx.decoding.c_proposer import CDraftAheadProposer
+from spel_mlx.decoding.mlx_proposer import MLXProposer
+from spel_mlx.decoding.ngram import NgramProposer
+from spel_mlx.native import clib
 
 
 # ---------------------------------------------------------------------------
@@ -98,7 +104,7 @@ def test_toy_greedy_spec_equals_ar(K, noise):
     for prompt in toy_prompts(12, seed=K):
         ref = toy_ar(model, prompt, 30)
         for mode in ("spec", "governed"):
-            dec = sp.SpeculativeDecoder(model, sp.ModelDraft(model, "draft", ring=K + 1), mode, k=K)
+            dec = SpeculativeDecoder(model, MLXProposer(model, "draft", ring=K + 1), mode, k=K)
             assert dec.generate(prompt, 30) == ref
             st = dec.stats
             assert st.tokens == 30 and st.rounds == st.spec_rounds + st.ar_rounds
@@ -106,18 +112,18 @@ def test_toy_greedy_spec_equals_ar(K, noise):
             assert st.accepted + st.rounds >= st.tokens
             # the draft committed a prefix of the target's history (all of it unless
             # the governor suspended drafting)
-            tc, dc = dec.target.state.committed, dec.draft.state.committed
+            tc, dc = dec.target.state.committed, dec.proposer.state.committed
             assert dc == tc[:len(dc)]
             if mode == "spec":  # only a final k=0 round (one token left) skips the draft
                 assert len(tc) - len(dc) <= 1
-        ar = sp.SpeculativeDecoder(model, None, "ar", k=K)
+        ar = SpeculativeDecoder(model, None, "ar", k=K)
         assert ar.generate(prompt, 30) == ref
 
 
 def test_toy_oracle_accepts_everything():
     model = ToyModel(draft_noise=0.0)
     K = 4
-    dec = sp.SpeculativeDecoder(model, sp.ModelDraft(model, "target", ring=K + 1), "oracle", k=K)
+    dec = SpeculativeDecoder(model, MLXProposer(model, "target", ring=K + 1), "oracle", k=K)
     out = dec.generate([1, 2, 3], 40)
     st = dec.stats
     assert out == toy_ar(model, [1, 2, 3], 40)
@@ -130,7 +136,7 @@ def test_toy_round_structure_counts_target_work():
     """One verify batch of K+1 per round: target token-forwards = prompt-1 + sum(K+1)."""
     model = ToyModel(draft_noise=0.5, seed=3)
     K = 4
-    dec = sp.SpeculativeDecoder(model, sp.ModelDraft(model, "draft", ring=K + 1), "spec", k=K)
+    dec = SpeculativeDecoder(model, MLXProposer(model, "draft", ring=K + 1), "spec", k=K)
     model.forward_tokens = 0
     prompt = [5, 6, 7, 8]
     dec.generate(prompt, 25)
@@ -151,35 +157,35 @@ def test_toy_runs_into_max_seq(K):
         ref = toy_ar(model, prompt, 100)
         # the target can consume up to max_seq tokens, the last prediction is at max_seq
         assert len(ref) == 24 - plen + 1
-        for mode, draft in (("ar", None), ("spec", sp.ModelDraft(model, "draft", ring=K + 1)),
-                            ("governed", sp.ModelDraft(model, "draft", ring=K + 1)),
-                            ("spec", sp.NgramDraft(12))):
-            dec = sp.SpeculativeDecoder(model, draft, mode, k=K)
+        for mode, draft in (("ar", None), ("spec", MLXProposer(model, "draft", ring=K + 1)),
+                            ("governed", MLXProposer(model, "draft", ring=K + 1)),
+                            ("spec", NgramProposer(12))):
+            dec = SpeculativeDecoder(model, draft, mode, k=K)
             assert dec.generate(prompt, 100) == ref
             assert dec.stats.stop_reason == "max_seq"
 
 
 def test_prompt_errors():
     model = ToyModel(max_seq=16)
-    dec = sp.SpeculativeDecoder(model, None, "ar", k=4)
-    with pytest.raises(sp.DecodeError, match="longer than max_seq"):
+    dec = SpeculativeDecoder(model, None, "ar", k=4)
+    with pytest.raises(DecodeError, match="longer than max_seq"):
         dec.generate(list(range(12)) + [1] * 5, 3)
-    with pytest.raises(sp.DecodeError, match="empty"):
+    with pytest.raises(DecodeError, match="empty"):
         dec.generate([], 3)
-    with pytest.raises(sp.DecodeError, match="outside the vocabulary"):
+    with pytest.raises(DecodeError, match="outside the vocabulary"):
         dec.generate([99], 3)
     for K in (0, 17):
-        with pytest.raises(sp.DecodeError, match="K="):
-            sp.SpeculativeDecoder(model, None, "ar", k=K)
-    with pytest.raises(sp.DecodeError, match="needs a draft"):
-        sp.SpeculativeDecoder(model, None, "spec", k=4)
+        with pytest.raises(DecodeError, match="K="):
+            SpeculativeDecoder(model, None, "ar", k=K)
+    with pytest.raises(DecodeError, match="needs a draft"):
+        SpeculativeDecoder(model, None, "spec", k=4)
 
 
 def test_governor_trips_on_bad_draft_and_output_unchanged():
     model = ToyModel(draft_noise=30.0, seed=11)  # the draft is noise
     K = 4
     ref = toy_ar(model, [1, 2], 40)
-    dec = sp.SpeculativeDecoder(model, sp.ModelDraft(model, "draft", ring=K + 1), "governed", k=K)
+    dec = SpeculativeDecoder(model, MLXProposer(model, "draft", ring=K + 1), "governed", k=K)
     assert dec.generate([1, 2], 40) == ref
     st = dec.stats
     assert st.governor_trips == 1
@@ -191,9 +197,9 @@ def test_governor_resume_reprobes_and_catches_draft_up():
     model = ToyModel(draft_noise=30.0, seed=11)
     K = 4
     ref = toy_ar(model, [1, 2], 60)
-    gov = sp.GovernorConfig(resume_after=8)
-    draft = sp.ModelDraft(model, "draft", ring=K + 1)
-    dec = sp.SpeculativeDecoder(model, draft, "governed", k=K, governor=gov)
+    gov = GovernorConfig(resume_after=8)
+    draft = MLXProposer(model, "draft", ring=K + 1)
+    dec = SpeculativeDecoder(model, draft, "governed", k=K, governor=gov)
     assert dec.generate([1, 2], 60) == ref
     st = dec.stats
     assert st.governor_resumes >= 2 and st.governor_trips == st.governor_resumes + 1 or \
@@ -203,17 +209,17 @@ def test_governor_resume_reprobes_and_catches_draft_up():
 
 
 def test_governor_unit():
-    g = sp.Governor(sp.GovernorConfig(window=4, alpha_threshold=0.5, min_rounds=2,
+    g = Governor(GovernorConfig(window=4, alpha_threshold=0.5, min_rounds=2,
                                       zero_accept_trip=False))
     g.record(4, 4)
     g.record(0, 4)
     assert g.drafting            # 4/8 = 0.5 is not below 0.5
     g.record(1, 4)
     assert not g.drafting and g.trips == 1
-    g2 = sp.Governor(sp.GovernorConfig())
+    g2 = Governor(GovernorConfig())
     g2.record(0, 4)
     assert not g2.drafting       # zero-accept trip
-    g3 = sp.Governor(sp.GovernorConfig(zero_accept_grace=2, min_rounds=8))
+    g3 = Governor(GovernorConfig(zero_accept_grace=2, min_rounds=8))
     g3.record(0, 4)
     g3.record(0, 4)
     assert g3.drafting           # within the grace rounds a zero-accept round does not trip
@@ -225,8 +231,8 @@ def test_governor_unit():
                                             (0.5, 16, (80, 160)), (0.0, 4, (0, 40))])
 def test_forced_acceptance_alignment(alpha, K, expect):
     model = ToyModel(draft_noise=5.0, seed=2, max_seq=256)
-    draft = sp.ModelDraft(model, "draft", ring=K + 1)
-    dec = sp.SpeculativeDecoder(model, draft, "forced", k=K, forced_alpha=alpha)
+    draft = MLXProposer(model, "draft", ring=K + 1)
+    dec = SpeculativeDecoder(model, draft, "forced", k=K, forced_alpha=alpha)
     rounds = 10
     n_tokens = rounds * (expect[0] // rounds + 1)
     out = dec.generate([3, 4], n_tokens)
@@ -243,11 +249,11 @@ def test_ngram_and_auto_on_repetitive_text():
     # greedy decoding of a Markov table falls into a cycle: n-gram proposals then hit
     prompt = [1, 2, 3]
     ref = toy_ar(model, prompt, 80)
-    ng = sp.SpeculativeDecoder(model, sp.NgramDraft(12), "spec", k=4)
+    ng = SpeculativeDecoder(model, NgramProposer(12), "spec", k=4)
     assert ng.generate(prompt, 80) == ref
     assert ng.stats.extra["ngram_hits"] > 0 and ng.stats.alpha > 0.5
-    auto = sp.AutoDraft(sp.NgramDraft(12), sp.ModelDraft(model, "draft", ring=5))
-    dec = sp.SpeculativeDecoder(model, auto, "spec", k=4)
+    auto = AutoProposer(NgramProposer(12), MLXProposer(model, "draft", ring=5))
+    dec = SpeculativeDecoder(model, auto, "spec", k=4)
     assert dec.generate(prompt, 80) == ref
     assert auto.used_ngram > 0 and auto.used_model > 0
 
@@ -256,14 +262,14 @@ def test_auto_gates_a_useless_model_draft():
     model = ToyModel(draft_noise=30.0, seed=6)   # the model draft never agrees
     prompt = [7, 1, 9]
     ref = toy_ar(model, prompt, 80)
-    auto = sp.AutoDraft(sp.NgramDraft(12), sp.ModelDraft(model, "draft", ring=5))
-    dec = sp.SpeculativeDecoder(model, auto, "spec", k=4)
+    auto = AutoProposer(NgramProposer(12), MLXProposer(model, "draft", ring=5))
+    dec = SpeculativeDecoder(model, auto, "spec", k=4)
     assert dec.generate(prompt, 80) == ref
     st = dec.stats
     assert st.extra["auto_gate_trips"] >= 1 and st.extra["auto_gated_rounds"] > 0
     assert auto.used_model < 20  # a few probes, not every n-gram miss
-    good = sp.AutoDraft(sp.NgramDraft(12), sp.ModelDraft(model, "target", ring=5))
-    dec = sp.SpeculativeDecoder(model, good, "spec", k=4)
+    good = AutoProposer(NgramProposer(12), MLXProposer(model, "target", ring=5))
+    dec = SpeculativeDecoder(model, good, "spec", k=4)
     assert dec.generate(prompt, 80) == ref
     assert dec.stats.extra["auto_gate_trips"] == 0
 
@@ -273,7 +279,7 @@ def test_stop_tokens_truncate_round():
     ref = toy_ar(model, [1, 2], 40)
     stop = ref[13]
     first = ref.index(stop)
-    dec = sp.SpeculativeDecoder(model, sp.ModelDraft(model, "target", ring=9), "oracle", k=8)
+    dec = SpeculativeDecoder(model, MLXProposer(model, "target", ring=9), "oracle", k=8)
     assert dec.generate([1, 2], 40, stop_tokens=[stop]) == ref[:first + 1]
     assert dec.stats.stop_reason == "stop_token"
 
@@ -281,14 +287,52 @@ def test_stop_tokens_truncate_round():
 def test_streaming_callback_sees_every_token():
     model = ToyModel(draft_noise=0.3)
     seen = []
-    dec = sp.SpeculativeDecoder(model, sp.ModelDraft(model, "draft", ring=5), "spec", k=4)
+    dec = SpeculativeDecoder(model, MLXProposer(model, "draft", ring=5), "spec", k=4)
     out = dec.generate([1, 2], 33, on_tokens=seen.extend)
     assert seen == out and len(out) == 33
 
 
+def test_round_hook_separates_drafted_tokens_from_the_correction():
+    model = ToyModel(draft_noise=0.5, seed=1)     # rounds accepting 0..4 of 4 proposals
+    prompt = [1, 2, 3]
+    ref = toy_ar(model, prompt, 40)
+    rounds, streamed = [], []
+    dec = SpeculativeDecoder(model, MLXProposer(model, "draft", ring=5), "spec", k=4)
+    out = dec.generate(prompt, 40, on_tokens=streamed.append, on_round=rounds.append)
+    assert out == ref and len(rounds) == dec.stats.rounds
+    assert [list(r.emitted) for r in rounds] == streamed
+    pos = 0
+    for r in rounds:
+        assert r.accepted_tokens == r.proposed[:r.accepted] == tuple(ref[pos:pos + r.accepted])
+        assert r.target_tokens == (r.correction,) == (ref[pos + r.accepted],)
+        if r.accepted < len(r.proposed):       # the first rejected proposal is not the target's token
+            assert r.proposed[r.accepted] != r.correction
+        pos += len(r.emitted)
+    assert sum(r.accepted for r in rounds) == dec.stats.accepted > 0
+    assert sum(len(r.proposed) for r in rounds) == dec.stats.proposed > dec.stats.accepted
+
+    # a stop token among the accepted proposals cuts the round before its correction
+    oracle = ToyModel(draft_noise=0.0)
+    ref = toy_ar(oracle, [1, 2], 40)
+    rounds = []
+    dec = SpeculativeDecoder(oracle, MLXProposer(oracle, "target", ring=9), "oracle", k=8)
+    out = dec.generate([1, 2], 40, stop_tokens=[ref[4]], on_round=rounds.append)
+    assert out == ref[:ref.index(ref[4]) + 1] and len(rounds) == 1
+    assert rounds[0].accepted == 8 and rounds[0].target_tokens == () and rounds[0].emitted == tuple(out)
+
+    # sampling: the same bookkeeping, the correction drawn by the residual rule
+    rounds = []
+    dec = SpeculativeDecoder(model, MLXProposer(model, "draft", ring=5), "spec", k=4,
+                             params=smp.SamplingParams(temperature=1.0, seed=1))
+    out = dec.generate(prompt, 40, on_round=rounds.append)
+    assert [t for r in rounds for t in r.emitted] == out
+    assert all(r.accepted_tokens == r.proposed[:r.accepted] for r in rounds)
+    assert isinstance(rounds[0], RoundResult)
+
+
 def test_stats_json_fields():
     model = ToyModel(draft_noise=0.3)
-    dec = sp.SpeculativeDecoder(model, sp.ModelDraft(model, "draft", ring=5), "spec", k=4)
+    dec = SpeculativeDecoder(model, MLXProposer(model, "draft", ring=5), "spec", k=4)
     dec.generate([1, 2], 20, calibrate=True)
     d = dec.stats.to_dict()
     for key in ("tokens", "rounds", "proposed", "accepted", "alpha", "tokens_per_round",
@@ -315,9 +359,9 @@ def test_engine_speculative_sampling_is_lossless():
         joint[a] = p0[a] * p1
     counts = np.zeros((V, V))
     N = 6000
-    draft = sp.ModelDraft(model, "draft", ring=4)
+    draft = MLXProposer(model, "draft", ring=4)
     for i in range(N):
-        dec = sp.SpeculativeDecoder(model, draft, "spec", k=3, params=smp.SamplingParams(
+        dec = SpeculativeDecoder(model, draft, "spec", k=3, params=smp.SamplingParams(
             temperature=1.0, repetition_penalty=1.2, repetition_window=8, top_p=0.95, seed=i))
         out = dec.generate(prompt, 2)
         counts[out[0], out[1]] += 1
@@ -351,11 +395,11 @@ def test_seeded_sampling_reproducible():
     params = smp.SamplingParams(temperature=0.9, top_k=8, seed=42)
     runs = []
     for _ in range(2):
-        dec = sp.SpeculativeDecoder(model, sp.ModelDraft(model, "draft", ring=5), "spec", k=4,
+        dec = SpeculativeDecoder(model, MLXProposer(model, "draft", ring=5), "spec", k=4,
                                     params=params)
         runs.append(dec.generate([1, 2, 3], 40))
     assert runs[0] == runs[1]
-    dec = sp.SpeculativeDecoder(model, sp.ModelDraft(model, "draft", ring=5), "spec", k=4,
+    dec = SpeculativeDecoder(model, MLXProposer(model, "draft", ring=5), "spec", k=4,
                                 params=smp.SamplingParams(temperature=0.9, top_k=8, seed=43))
     assert dec.generate([1, 2, 3], 40) != runs[0]
 
@@ -388,7 +432,7 @@ N_REAL = 20
 
 
 def _ar(tiny, prompt, n, strict):
-    return sp.SpeculativeDecoder(tiny.model, None, "ar", k=4, strict=strict).generate(prompt, n)
+    return SpeculativeDecoder(tiny.model, None, "ar", k=4, strict=strict).generate(prompt, n)
 
 
 @pytest.mark.parametrize("K", [1, 2, 4, 8, 16])
@@ -396,8 +440,8 @@ def test_real_strict_spec_and_governed_bit_exact(tiny, K):
     alphas = []
     for prompt, ref in zip(tiny.prompts, tiny.ref[True]):
         for mode in ("spec", "governed"):
-            draft = sp.make_draft("mlx", tiny.model, k=K, strict=True)
-            dec = sp.SpeculativeDecoder(tiny.model, draft, mode, k=K, strict=True)
+            draft = make_proposer("mlx", tiny.model, k=K, strict=True)
+            dec = SpeculativeDecoder(tiny.model, draft, mode, k=K, strict=True)
             assert dec.generate(prompt, N_REAL) == ref, (K, mode, prompt)
             if mode == "spec":
                 alphas.append(dec.stats.alpha)
@@ -407,7 +451,7 @@ def test_real_strict_spec_and_governed_bit_exact(tiny, K):
 @pytest.mark.parametrize("K", [4, 16])
 def test_real_oracle_strict_accepts_all(tiny, K):
     prompt, ref = tiny.prompts[2], tiny.ref[True][2]
-    dec = sp.SpeculativeDecoder(tiny.model, sp.make_draft("target", tiny.model, k=K, strict=True),
+    dec = SpeculativeDecoder(tiny.model, make_proposer("target", tiny.model, k=K, strict=True),
                                 "oracle", k=K, strict=True)
     assert dec.generate(prompt, N_REAL) == ref
     assert dec.stats.alpha == 1.0  # strict: draft and verify rows are bit-identical
@@ -417,9 +461,9 @@ def test_real_fast_mode_token_equivalent(tiny):
     for prompt, ref in zip(tiny.prompts, tiny.ref[False]):
         for K, kinds in ((4, ("mlx", "auto")), (16, ("mlx", "ngram"))):
             for kind in kinds:
-                draft = sp.make_draft(kind, tiny.model, k=K, auto_fallback="mlx")
+                draft = make_proposer(kind, tiny.model, k=K, auto_fallback="mlx")
                 mode = "governed" if kind == "auto" else "spec"
-                dec = sp.SpeculativeDecoder(tiny.model, draft, mode, k=K)
+                dec = SpeculativeDecoder(tiny.model, draft, mode, k=K)
                 assert dec.generate(prompt, N_REAL) == ref, (K, kind, prompt)
 
 
@@ -430,19 +474,15 @@ def test_real_runs_into_max_seq(tiny):
         ref = _ar(tiny, prompt, 100, True)
         assert len(ref) == max_seq - plen + 1
         for K in (4, 16):
-            dec = sp.SpeculativeDecoder(tiny.model, sp.make_draft("mlx", tiny.model, k=K, strict=True),
+            dec = SpeculativeDecoder(tiny.model, make_proposer("mlx", tiny.model, k=K, strict=True),
                                         "governed", k=K, strict=True)
             assert dec.generate(prompt, 100) == ref
             assert dec.stats.stop_reason == "max_seq"
 
 
 def _cdraft_or_skip():
-    try:
-        from spel_mlx import draft as cdraft_mod
-        cdraft_mod._lib()
-        return cdraft_mod
-    except Exception as e:  # module not built / not present yet
-        pytest.skip(f"C draft unavailable: {e}")
+    if not clib.available():
+        pytest.skip(f"C draft unavailable: {clib.IMPORT_ERROR}")
 
 
 @pytest.mark.parametrize("threads", [1, 2])
@@ -452,18 +492,18 @@ def test_real_c_draft_fidelity(tiny, threads):
     # threads=2 repeats a smaller matrix: the pool result must not depend on it
     n_prompts = 4 if threads == 1 else 2
     for K in ((1, 4, 16) if threads == 1 else (4, 16)):
-        draft = sp.make_draft("c", tiny.model, tiny.w, k=K, threads=threads)
+        draft = make_proposer("c", tiny.model, tiny.w, k=K, threads=threads)
         for prompt, ref in list(zip(tiny.prompts, tiny.ref[True]))[:n_prompts]:
             for mode in (("spec", "governed") if K == 4 else ("spec",)):
-                dec = sp.SpeculativeDecoder(tiny.model, draft, mode, k=K, strict=True)
+                dec = SpeculativeDecoder(tiny.model, draft, mode, k=K, strict=True)
                 assert dec.generate(prompt, N_REAL) == ref, (threads, K, mode)
                 alphas.append(dec.stats.alpha)
         draft.close()
     assert max(alphas) > 0
     # fast mode (GEMM verify) with the C draft: token-equivalent on every prompt
-    draft = sp.make_draft("c", tiny.model, tiny.w, k=4, threads=threads)
+    draft = make_proposer("c", tiny.model, tiny.w, k=4, threads=threads)
     for prompt, ref in zip(tiny.prompts, tiny.ref[False]):
-        dec = sp.SpeculativeDecoder(tiny.model, draft, "governed" if threads == 2 else "spec", k=4)
+        dec = SpeculativeDecoder(tiny.model, draft, "governed" if threads == 2 else "spec", k=4)
         assert dec.generate(prompt, N_REAL) == ref, (threads, "fast")
     draft.close()
 
@@ -473,26 +513,26 @@ def test_real_c_draft_sampling_seeded(tiny):
     params = smp.SamplingParams(temperature=0.8, top_p=0.9, repetition_penalty=1.1, seed=7)
     outs = []
     for _ in range(2):
-        draft = sp.make_draft("c", tiny.model, tiny.w, k=4, threads=1)
-        dec = sp.SpeculativeDecoder(tiny.model, draft, "spec", k=4, params=params)
+        draft = make_proposer("c", tiny.model, tiny.w, k=4, threads=1)
+        dec = SpeculativeDecoder(tiny.model, draft, "spec", k=4, params=params)
         outs.append(dec.generate(tiny.prompts[3], 16))
         draft.close()
     assert outs[0] == outs[1] and len(outs[0]) == 16
 
 
 def test_real_c_draft_ahead_fidelity_and_max_seq(tiny):
-    """PipelinedCDraft (the next round drafted during verification) emits exactly the
+    """CDraftAheadProposer (the next round drafted during verification) emits exactly the
     ar tokens, for several K and into max_seq (no continuation past the cache)."""
     _cdraft_or_skip()
     for K in (1, 2, 4):
-        draft = sp.make_draft("c", tiny.model, tiny.w, k=K, threads=1, pipeline=True)
-        assert isinstance(draft, sp.PipelinedCDraft)
+        draft = make_proposer("c", tiny.model, tiny.w, k=K, threads=1, ahead=True)
+        assert isinstance(draft, CDraftAheadProposer)
         for prompt, ref in zip(tiny.prompts, tiny.ref[True]):
-            dec = sp.SpeculativeDecoder(tiny.model, draft, "spec", k=K, strict=True)
+            dec = SpeculativeDecoder(tiny.model, draft, "spec", k=K, strict=True)
             assert dec.generate(prompt, N_REAL) == ref, (K, prompt)
         for plen in (50, 63):
             prompt = (tiny.prompts[-1] * 3)[:plen]
-            dec = sp.SpeculativeDecoder(tiny.model, draft, "spec", k=K, strict=True)
+            dec = SpeculativeDecoder(tiny.model, draft, "spec", k=K, strict=True)
             assert dec.generate(prompt, 100) == _ar(tiny, prompt, 100, True)
             assert dec.stats.stop_reason == "max_seq"
         draft.close()
@@ -503,8 +543,8 @@ def test_c_draft_ahead_continuation_is_dropped_when_the_draft_fell_behind(tiny):
     without the draft (an n-gram round in auto): the proposal is the fresh one."""
     _cdraft_or_skip()
     K, prompt = 4, tiny.prompts[0]
-    ahead = sp.make_draft("c", tiny.model, tiny.w, k=K, threads=1, pipeline=True)
-    plain = sp.make_draft("c", tiny.model, tiny.w, k=K, threads=1)
+    ahead = make_proposer("c", tiny.model, tiny.w, k=K, threads=1, ahead=True)
+    plain = make_proposer("c", tiny.model, tiny.w, k=K, threads=1)
     history, pending = list(prompt[:-1]), prompt[-1]
     ahead.reset()
     first, _ = ahead.propose(history, pending, K, smp.GREEDY, None)
@@ -529,17 +569,17 @@ def test_shipped_c_draft_ahead_hits_and_equals_ar():
     ck = load_checkpoint()
     model = SpelModel.from_weights(ck.cfg, ck.weights)
     prompt = [int(t) for t in np.arange(40) * 37 % ck.cfg.vocab]
-    ref = sp.SpeculativeDecoder(model, None, "ar").generate(prompt, 60)
-    draft = sp.make_draft("c", model, ck.weights, k=4, threads=1, pipeline=True)
-    dec = sp.SpeculativeDecoder(model, draft, "spec", k=4)
+    ref = SpeculativeDecoder(model, None, "ar").generate(prompt, 60)
+    draft = make_proposer("c", model, ck.weights, k=4, threads=1, ahead=True)
+    dec = SpeculativeDecoder(model, draft, "spec", k=4)
     assert dec.generate(prompt, 60) == ref
     assert dec.stats.extra["ahead_hits"] > 0
-    auto = sp.make_draft("auto", model, ck.weights, k=4, threads=1, pipeline=True)
-    assert isinstance(auto.model_draft, sp.PipelinedCDraft)
-    assert sp.SpeculativeDecoder(model, auto, "spec", k=4).generate(prompt, 60) == ref
+    auto = make_proposer("auto", model, ck.weights, k=4, threads=1, ahead=True)
+    assert isinstance(auto.fallback, CDraftAheadProposer)
+    assert SpeculativeDecoder(model, auto, "spec", k=4).generate(prompt, 60) == ref
     auto.close()
     # sampling runs the plain C draft path through the same engine: seeded = reproducible
     params = smp.SamplingParams(temperature=0.8, top_p=0.95, seed=5)
-    d2 = sp.SpeculativeDecoder(model, draft, "spec", k=4, params=params)
+    d2 = SpeculativeDecoder(model, draft, "spec", k=4, params=params)
     assert d2.generate(prompt, 30) == d2.generate(prompt, 30)
     draft.close()

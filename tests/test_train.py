@@ -204,7 +204,7 @@ def test_onpolicy_windows_and_mixture(tmp_path, target_run, data_dir):
     greedy (even rows) continuation, reproducible; a draft batch mixes them in
     deterministically; a draft run trains on them and can continue a draft run."""
     from spel_mlx.model import SpelModel
-    from spel_mlx.speculative import SpeculativeDecoder
+    from spel_mlx.decoding import SpeculativeDecoder
     trun, _ = target_run
     out = str(tmp_path / "op.npy")
     r = onpolicy.generate_onpolicy(trun, out, minutes=5, data_dir=data_dir, seq=32, prompt_len=8,

@@ -21,9 +21,9 @@ def generate_onpolicy(target_run: str, out_path: str, minutes: float, data_dir: 
     speculative decoding verifies), odd rows sampled at temperature 0.8.  The
     draft then learns the target where the target's own decoding takes it.
     Rows are written as int32 [n, seq+1] (.npy, atomically) when time is up."""
-    from .. import sampling as smp
+    from ..decoding import SpeculativeDecoder
+    from ..decoding import sampling as smp
     from ..model import SpelModel
-    from ..speculative import SpeculativeDecoder
     from ..tokenizer import load_tokenizer
     _, cfg, params, _, _ = load_checkpoint_dir(target_run)
     tok = load_tokenizer(cfg.vocab, tokenizer_path or None)

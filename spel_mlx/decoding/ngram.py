@@ -1,4 +1,4 @@
-"""Zero-parameter n-gram (prompt-lookup) drafter.
+"""Zero-parameter n-gram (prompt-lookup) drafting: the index and its proposer.
 
 Proposal: find the most recent earlier occurrence of the context's last n
 tokens (n from `max_n` down to `min_n`) and copy the tokens that followed it.
@@ -9,6 +9,9 @@ An index of n-gram -> last end position is kept incrementally, so a lookup is
 O(max_n) dictionary probes, not a scan of the context.
 """
 from __future__ import annotations
+
+from . import sampling as smp
+from .proposer import Proposer
 
 
 class NgramIndex:
@@ -62,3 +65,40 @@ def propose_ngram(context, k: int, min_n: int = 2, max_n: int = 4) -> list:
             if list(context[start:start + n]) == suffix:
                 return list(context[start + n:start + n + k])
     return []
+
+
+class NgramProposer(Proposer):
+    """Prompt-lookup proposals; deterministic, so q is a point mass.  No match is an
+    empty proposal: the round runs as an AR round."""
+
+    name = "ngram"
+
+    def __init__(self, vocab: int, min_n: int = 2, max_n: int = 4):
+        self.vocab = vocab
+        self.index = NgramIndex(min_n, max_n)
+        self.forwards = 0
+        self.hits = 0
+        self.lookups = 0
+
+    def reset(self):
+        self.index.reset()
+        self.hits = self.lookups = 0
+
+    def _sync(self, history, pending):
+        toks = self.index.tokens
+        if len(toks) < len(history):
+            self.index.extend(history[len(toks):])
+        if len(toks) == len(history):
+            self.index.append(int(pending))
+
+    def propose(self, history, pending, k, params, rng):
+        self._sync(history, pending)
+        self.lookups += 1
+        toks = self.index.lookup(k)
+        if toks:
+            self.hits += 1
+        qs = None if params.greedy else [smp.one_hot(t, self.vocab) for t in toks]
+        return list(toks), qs
+
+    def extra_stats(self) -> dict:
+        return {"ngram_hits": self.hits, "ngram_lookups": self.lookups}

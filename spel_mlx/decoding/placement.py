@@ -14,7 +14,7 @@ and projects ``speedup(alpha) = (1 + alpha*K) / ((K+1)*c + v)``. The numerator d
 depend on the placement, so the ranking (smallest ``(K+1)*c + v`` first) is the same at
 every alpha; ``alpha`` only sets the projected figure reported beside it.
 
-    from spel_mlx.placement import calibrate_placement
+    from spel_mlx.decoding.placement import calibrate_placement
     ranked = calibrate_placement(model, weights, k=4)
     best = ranked[0]          # best.target_device, best.draft, best.draft_device, best.threads
     stats["placement"] = best.to_dict()
@@ -29,12 +29,12 @@ import statistics
 import time
 from dataclasses import asdict, dataclass
 
-from .config import ModelConfig
+import mlx.core as mx
+import numpy as np
 
-import mlx.core as mx  # noqa: E402  (after the package import: BLAS first)
-import numpy as np  # noqa: E402
-
-MAX_THREADS = 6
+from ..config import ModelConfig
+from ..native.cdraft import MAX_THREADS
+from .factory import make_proposer
 
 
 class PlacementError(ValueError):
@@ -123,7 +123,7 @@ def _target_times(model, dev: str, k: int, toks: list, reps: int):
 
 
 def _c_draft_time(cfg, weights, threads: int, k: int, toks: list, reps: int) -> float:
-    from .draft import CDraft
+    from ..native.cdraft import CDraft
     d = CDraft(cfg, weights, threads=threads, ring=k + 1)
     try:
         for t in toks[:-1]:
@@ -241,9 +241,9 @@ def choose_placement(model, weights: dict | None = None, **kw) -> Placement:
     return ranked[0]
 
 
-class DeviceDraft:
-    """Runs a draft engine's calls on a given MLX device (e.g. draft=mlx-gpu while the
-    target runs on the CPU), delegating everything else to the engine."""
+class DeviceProposer:
+    """Runs a proposer's calls on a given MLX device (e.g. draft=mlx-gpu while the
+    target runs on the CPU), delegating everything else to the proposer."""
 
     def __init__(self, inner, device: str):
         self.inner, self.device = inner, device
@@ -274,16 +274,15 @@ class DeviceDraft:
 
 def apply_placement(p: Placement, model, weights: dict | None = None, k: int | None = None):
     """Put a chosen placement into effect: MLX's default device becomes the target's,
-    and the draft engine for it is returned (wrapped to run on its own device when that
-    differs from the target's). The caller owns the engine (``close()`` it)."""
-    from .speculative import make_draft
+    and the proposer for it is returned (wrapped to run on its own device when that
+    differs from the target's). The caller owns the proposer (``close()`` it)."""
     if not p.available:
         raise PlacementError(f"{p.name}: {p.reason}")
     mx.set_default_device(_device(p.target_device))
-    engine = make_draft(p.draft, model, weights, k=p.k if k is None else k, threads=p.threads or 1)
+    proposer = make_proposer(p.draft, model, weights, k=p.k if k is None else k, threads=p.threads or 1)
     if p.draft == "mlx" and p.draft_device != p.target_device:
-        engine = DeviceDraft(engine, p.draft_device)
-    return engine
+        proposer = DeviceProposer(proposer, p.draft_device)
+    return proposer
 
 
 def format_ranking(ranked: list) -> str:

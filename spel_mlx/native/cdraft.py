@@ -1,4 +1,4 @@
-"""The C draft engine (neon/, built by cffi as ``spel_mlx._spel_draft``).
+"""The C draft engine (neon/, loaded by ``clib``): the Python wrapper.
 
 ``CDraft`` quantizes a checkpoint's draft tensors at load (q8 wqkv/wo, ternary
 w1/w3/w2, SPEC 3) and runs the draft step in C on a persistent worker pool, with
@@ -13,26 +13,12 @@ import os
 
 import numpy as np
 
-from .config import ModelConfig
-
-try:
-    from ._spel_draft import ffi, lib
-except ImportError as _e:  # pragma: no cover - depends on the build
-    ffi = lib = None
-    _IMPORT_ERROR = _e
-else:
-    _IMPORT_ERROR = None
+from ..config import ModelConfig
+from .clib import ffi, lib
+from .clib import require as _lib
 
 KERNELS = ("scalar", "avx2", "dotprod", "addsub", "vnni")   # index = C kernel id
 MAX_THREADS = 6
-
-
-def _lib():
-    if lib is None:
-        raise ImportError(
-            "spel_mlx._spel_draft (the C draft engine) is not built: run "
-            f"`pip install -e .` in the project root ({_IMPORT_ERROR})")
-    return lib
 
 
 def kernel_id(kernel) -> int:
@@ -67,7 +53,7 @@ def _resolve(kernel) -> int:
     return kid
 
 
-def _threads_from_env(threads) -> int:
+def threads_from_env(threads) -> int:
     if threads is None:
         raw = os.environ.get("SPEL_DRAFT_THREADS", "").strip()
         try:
@@ -93,22 +79,22 @@ def _ptr(ctype, a):
 
 # --------------------------------------------------------------- quantizers
 
-def c_quantize_q8(w):
+def _quantize_rows(quantize, w):
+    """(int8 codes [R, C], float32 row scales [R]) of w by a C row quantizer."""
     w = _f32(w)
     R, C = w.shape
-    q = np.zeros((R, C), np.int8)
+    codes = np.zeros((R, C), np.int8)
     s = np.zeros(R, np.float32)
-    _lib().spel_quantize_q8(_ptr("float", w), R, C, _ptr("int8_t", q), _ptr("float", s))
-    return q, s
+    quantize(_ptr("float", w), R, C, _ptr("int8_t", codes), _ptr("float", s))
+    return codes, s
+
+
+def c_quantize_q8(w):
+    return _quantize_rows(_lib().spel_quantize_q8, w)
 
 
 def c_quantize_ternary(w):
-    w = _f32(w)
-    R, C = w.shape
-    t = np.zeros((R, C), np.int8)
-    s = np.zeros(R, np.float32)
-    _lib().spel_quantize_ternary(_ptr("float", w), R, C, _ptr("int8_t", t), _ptr("float", s))
-    return t, s
+    return _quantize_rows(_lib().spel_quantize_ternary, w)
 
 
 def c_pack_ternary(t):
@@ -155,7 +141,7 @@ class Pool:
     """The persistent worker pool on its own (benchmarks, stress tests)."""
 
     def __init__(self, threads: int = 1):
-        threads = _threads_from_env(threads)
+        threads = threads_from_env(threads)
         self._p = _lib().spel_pool_create(threads)
         if self._p == ffi.NULL:
             raise RuntimeError(f"could not create a {threads}-thread pool")
@@ -238,7 +224,7 @@ class CDraft:
         self.ring = int(cfg.spec_k + 1 if ring is None else ring)
         if self.ring < 2:
             raise ValueError(f"ring={self.ring}: needs at least 2 slots")
-        self.threads = _threads_from_env(threads)
+        self.threads = threads_from_env(threads)
         kid = _resolve(kernel)
         self.q8_head = bool(q8_head)
         d, H, hd, ff, V, inner = cfg.d_model, cfg.n_heads, cfg.head_dim, cfg.d_ff, cfg.vocab, cfg.inner

@@ -1,9 +1,10 @@
 """Token selection: greedy, temperature / top-k / top-p / repetition penalty,
 and the lossless speculative-sampling acceptance rule.
 
-Everything here is numpy on one position's logits (vocabularies are small), so
+Everything here works on one position's logits (vocabularies are small), so
 draft and target distributions go through exactly the same code: the same
-`SamplingParams`, the same history, the same float64 arithmetic.  That is what
+`SamplingParams`, the same history, the same float64 arithmetic (numpy, or the
+C transforms of neon/sampling.c that follow it step for step).  That is what
 keeps speculative sampling lossless when a repetition penalty is on.
 
 Speculative sampling (Leviathan et al. / Chen et al.): the draft samples d from
@@ -16,6 +17,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
+
+from ..native import clib
 
 
 class SamplingError(ValueError):
@@ -96,30 +99,18 @@ def greedy_token(logits, history, params: SamplingParams) -> int:
     return int(np.argmax(logits))
 
 
-_C = None
-
-
-def _c_sampler():
-    """(ffi, lib) of the C module when it has spel_sample_probs, else False."""
-    global _C
-    if _C is None:
-        try:
-            from ._spel_draft import ffi, lib
-            _C = (ffi, lib) if hasattr(lib, "spel_sample_probs") else False
-        except ImportError:
-            _C = False
-    return _C
+# the C transforms (neon/sampling.c) when the extension is built and has them
+_C_SAMPLER = clib.lib if clib.lib is not None and hasattr(clib.lib, "spel_sample_probs") else None
 
 
 def probabilities(logits, history, params: SamplingParams) -> np.ndarray:
     """The sampling distribution (float64, sums to 1) after penalty, temperature,
     top-k and top-p.  Greedy params give the one-hot argmax distribution.  Float32
-    logits (the models') go through the C module (neon/sampling.c: the same steps,
-    ~2x faster per call, +12% sampled decoding) when it is built, anything else
-    through ``probabilities_reference``."""
-    c = _c_sampler() if not params.greedy and getattr(logits, "dtype", None) == np.float32 else False
-    if c:                                    # (model logits are float32; others: numpy)
-        ffi, lib = c
+    logits (the models') go through the C transforms when they are built (the same
+    steps, faster: docs/decoding.md), anything else through ``probabilities_reference``."""
+    lib = _C_SAMPLER if not params.greedy and getattr(logits, "dtype", None) == np.float32 else None
+    if lib is not None:
+        ffi = clib.ffi
         x = np.ascontiguousarray(logits).reshape(-1)
         out = np.empty(x.shape[0], np.float64)
         rec = recent(history, params)
@@ -168,8 +159,8 @@ def _descending_mass(p: np.ndarray, need: float):
     a stable sort), as far as the mass reaches ``need``.  Only the top
     NUCLEUS_CANDIDATES (all tokens tied with the last one included) are sorted
     when their mass suffices, else everything: the prefix is the same either
-    way, as every other token has a smaller p (a full argsort of a 2048-token
-    vocabulary cost ~110 us per call, a third of a sampled round's overhead)."""
+    way, as every other token has a smaller p, and a full argsort of the
+    vocabulary is the costly step of a sampled round (docs/decoding.md)."""
     V = p.shape[0]
     if V > NUCLEUS_CANDIDATES:
         t = np.partition(p, V - NUCLEUS_CANDIDATES)[V - NUCLEUS_CANDIDATES]

@@ -1,0 +1,25 @@
+"""Speculative decoding (SPEC 5): the round, its proposers, the governor, sampling.
+
+    loop.py          SpeculativeDecoder: the round loop, modes, RoundResult (per-round hook)
+    target.py        the target's state and verification batches (SPEC 4)
+    proposer.py      the Proposer protocol (what a round asks of a draft)
+    mlx_proposer.py  the FP32 MLX draft layers, or the whole target (oracle)
+    c_proposer.py    the C draft, plain or drafting ahead during verification
+    ngram.py         prompt lookup: the n-gram index and its proposer
+    auto.py          n-gram, else a model proposer behind a gate
+    factory.py       proposers by --draft name
+    governor.py      suspends drafting when acceptance falls
+    stats.py         DecodeStats (the --stats JSON, c and v)
+    sampling.py      transforms and the lossless residual rule
+    placement.py     calibrates target/draft placements by the cost model
+"""
+from .factory import PROPOSER_KINDS, make_proposer
+from .governor import Governor, GovernorConfig
+from .loop import MODES, DecodeError, RoundResult, SpeculativeDecoder
+from .proposer import Proposer
+from .sampling import GREEDY, SamplingParams
+from .stats import DecodeStats
+
+__all__ = ["DecodeError", "DecodeStats", "GREEDY", "Governor", "GovernorConfig", "MODES",
+           "PROPOSER_KINDS", "Proposer", "RoundResult", "SamplingParams", "SpeculativeDecoder",
+           "make_proposer"]

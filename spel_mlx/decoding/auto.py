@@ -1,0 +1,79 @@
+"""``--draft auto``: the n-gram proposal when the context repeats, a model proposer otherwise."""
+from __future__ import annotations
+
+from .governor import Governor, GovernorConfig
+from .ngram import NgramProposer
+from .proposer import Proposer
+
+
+class AutoProposer(Proposer):
+    """n-gram proposal when the context repeats, the fallback (model) proposer otherwise.
+
+    The fallback sits behind its own small governor (`gate`): when its rolling
+    acceptance falls below the threshold, rounds without an n-gram match run as
+    AR rounds instead of paying a verify batch for proposals that are rejected,
+    and the fallback is re-probed after `gate.resume_after` such rounds.
+    n-gram proposals are never gated (a miss costs nothing to propose)."""
+
+    name = "auto"
+
+    def __init__(self, ngram: NgramProposer, fallback: Proposer, gate: GovernorConfig | None = None):
+        self.ngram, self.fallback = ngram, fallback
+        self.gate_cfg = gate or GovernorConfig(window=8, alpha_threshold=0.3, min_rounds=4,
+                                               zero_accept_trip=False, resume_after=32)
+        self.reset_counters()
+        self._pending_commit = None
+        self._proposed = 0
+
+    def reset_counters(self):
+        self.used_ngram = 0
+        self.used_model = 0
+        self.gated = 0
+        self.gate = Governor(self.gate_cfg)
+
+    @property
+    def forwards(self):
+        return self.fallback.forwards
+
+    @property
+    def threads(self):
+        return self.fallback.threads
+
+    def reset(self):
+        self.ngram.reset()
+        self.fallback.reset()
+        self.reset_counters()
+
+    def sync(self, history):
+        self.fallback.sync(history)
+
+    def propose(self, history, pending, k, params, rng):
+        toks, qs = self.ngram.propose(history, pending, k, params, rng)
+        if toks:
+            self.used_ngram += 1
+            self._pending_commit = None
+            return toks, qs
+        if not self.gate.drafting:
+            self.gated += 1
+            self.gate.ar_tokens(1)
+            self._pending_commit = None
+            return [], None
+        self.used_model += 1
+        self._pending_commit = self.fallback
+        toks, qs = self.fallback.propose(history, pending, k, params, rng)
+        self._proposed = len(toks)
+        return toks, qs
+
+    def commit(self, n: int):
+        if self._pending_commit is not None:
+            self._pending_commit.commit(n)
+            self.gate.record(n - 1, self._proposed)
+        self._pending_commit = None
+
+    def close(self):
+        self.fallback.close()
+
+    def extra_stats(self) -> dict:
+        return {**self.ngram.extra_stats(), **self.fallback.extra_stats(),
+                "auto_model_rounds": self.used_model, "auto_gated_rounds": self.gated,
+                "auto_gate_trips": self.gate.trips}

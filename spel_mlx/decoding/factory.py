@@ -1,0 +1,47 @@
+"""Proposers by name: the ``--draft`` kinds."""
+from __future__ import annotations
+
+from .auto import AutoProposer
+from .c_proposer import CDraftAheadProposer, CDraftProposer
+from .loop import DecodeError
+from .mlx_proposer import MLXProposer
+from .ngram import NgramProposer
+from .proposer import Proposer
+
+PROPOSER_KINDS = ("c", "mlx", "ngram", "auto", "target")
+
+
+def default_draft_threads() -> int:
+    """C draft threads when none are given (SPEL_DRAFT_THREADS, else 1)."""
+    from ..native.cdraft import threads_from_env
+    try:
+        return threads_from_env(None)
+    except ValueError:
+        return 1
+
+
+def make_proposer(kind: str, model, weights=None, k: int = 4, threads: int | None = None,
+                  strict: bool = False, ngram_n=(2, 4), auto_fallback: str = "c",
+                  ahead: bool = False) -> Proposer:
+    """Build a proposer by name.  `weights` (the weights dict) is needed by the C
+    draft (threads None = SPEL_DRAFT_THREADS, else 1); "auto" puts the n-gram
+    proposer ahead of `auto_fallback`.  `ahead`: the C draft drafts the next round
+    during verification (CDraftAheadProposer; greedy)."""
+    ring = k + 1
+    if kind == "mlx":
+        return MLXProposer(model, "draft", ring=ring, strict=strict)
+    if kind == "target":
+        return MLXProposer(model, "target", ring=ring, strict=strict)
+    if kind == "ngram":
+        return NgramProposer(model.cfg.vocab, *ngram_n)
+    if kind == "c":
+        from ..native.cdraft import CDraft     # CDraft(...) raises ImportError when it is not built
+        if weights is None:
+            raise DecodeError("the C draft needs the checkpoint's weights")
+        if ahead:
+            return CDraftAheadProposer(CDraft(model.cfg, weights, threads=threads, ring=2 * k + 2))
+        return CDraftProposer(CDraft(model.cfg, weights, threads=threads, ring=ring))
+    if kind == "auto":
+        fallback = make_proposer(auto_fallback, model, weights, k, threads, strict, ngram_n, ahead=ahead)
+        return AutoProposer(NgramProposer(model.cfg.vocab, *ngram_n), fallback)
+    raise DecodeError(f"draft {kind!r}: expected one of {', '.join(PROPOSER_KINDS)}")

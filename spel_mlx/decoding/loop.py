@@ -1,0 +1,283 @@
+"""The speculative round (SPEC 5): deferred corrections, modes, stopping rules.
+
+A round starts with a pending token p (decided, emitted, not yet consumed by the
+target).  The proposer proposes d_0..d_{k-1} from p; the target verifies
+[p, d_0..d_{k-1}] in ONE batch; n = longest prefix with d_j == t_j; d_0..d_{n-1}
+and the correction t_n are emitted; t_n becomes the next pending token; target
+and proposer commit n+1 positions (ring index / KV position only).
+
+`ar` mode is the same loop with k = 0, so every mode shares one code path and
+one stopping rule -- which is what makes "spec == ar token for token" a
+property of the arithmetic, not of two implementations agreeing.
+"""
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+
+import mlx.core as mx
+import numpy as np
+
+from . import sampling as smp
+from .governor import Governor, GovernorConfig
+from .proposer import Proposer
+from .stats import DecodeStats
+from .target import TargetRunner
+
+MODES = ("ar", "spec", "governed", "forced", "oracle")
+MAX_K = 16
+
+
+class DecodeError(ValueError):
+    """Bad decoding request (empty prompt, prompt past max_seq, K out of range...)."""
+
+
+@dataclass(frozen=True)
+class RoundResult:
+    """What one round decided, as ``generate(on_round=...)`` reports it."""
+    proposed: tuple     # d_0..d_{m-1} from the proposer (empty in an AR round)
+    accepted: int       # n: how many of them the target accepted
+    correction: int     # t_n: the target's token after them, the next pending token
+    emitted: tuple      # proposed[:n] + (correction,), cut at a stop token or max_tokens
+
+    @property
+    def accepted_tokens(self) -> tuple:
+        """The emitted tokens that came from the proposer."""
+        return self.emitted[:self.accepted]
+
+    @property
+    def target_tokens(self) -> tuple:
+        """The emitted token the target decided itself: the correction, or () when cut."""
+        return self.emitted[self.accepted:]
+
+
+class SpeculativeDecoder:
+    """One target, an optional proposer, a mode.  `generate` may be called repeatedly;
+    each call starts from a fresh state."""
+
+    def __init__(self, model, proposer: Proposer | None = None, mode: str = "spec", k: int = 4,
+                 strict: bool = False, params: smp.SamplingParams = smp.GREEDY,
+                 governor: GovernorConfig | None = None, forced_alpha: float | None = None):
+        if mode not in MODES:
+            raise DecodeError(f"mode {mode!r}: expected one of {', '.join(MODES)}")
+        if not isinstance(k, int) or not (1 <= k <= MAX_K):
+            raise DecodeError(f"K={k!r}: must be an integer in 1..{MAX_K}")
+        if mode in ("spec", "governed", "forced", "oracle") and proposer is None:
+            raise DecodeError(f"mode {mode!r} needs a draft engine")
+        if mode == "forced":
+            if forced_alpha is None or not (0.0 <= forced_alpha <= 1.0):
+                raise DecodeError(f"forced alpha {forced_alpha!r}: must be in [0, 1]")
+        self.model, self.cfg = model, model.cfg
+        self.proposer = proposer if mode != "ar" else None
+        self.mode, self.k, self.strict = mode, k, strict
+        self.params = params.validate()
+        self.governor_cfg = governor or GovernorConfig()
+        self.forced_alpha = forced_alpha
+        self.target = TargetRunner(model, ring=k + 1, strict=strict)
+        self.stats = DecodeStats()
+        self.output: list = []
+        self._forced_carry = 0.0
+
+    def close(self):
+        if self.proposer is not None:
+            self.proposer.close()
+
+    def generate(self, prompt, max_tokens: int, on_tokens=None, stop_tokens=(),
+                 calibrate: bool = False, on_round=None):
+        """Decode up to `max_tokens` tokens after `prompt`; returns the emitted tokens.
+
+        `on_tokens(list)` is called with each round's emitted tokens (streaming);
+        `on_round(RoundResult)` with the round's decision (which emitted tokens the
+        proposer drafted, which the target corrected).  The statistics of the call are
+        in `self.stats` (kept current, so they are valid after an interrupt too)."""
+        prompt = self._checked_prompt(prompt, max_tokens)
+        max_seq = self.cfg.max_seq
+        stop_set = set(int(t) for t in stop_tokens)
+        rng = smp.make_rng(self.params.seed)
+        gov = Governor(self.governor_cfg) if self.mode == "governed" else None
+        proposer = self.proposer
+        st = self.stats = DecodeStats(mode=self.mode, draft=(proposer.name if proposer else "none"),
+                                      k=(self.k if proposer else 0), strict=self.strict,
+                                      prompt_tokens=len(prompt))
+        out = self.output = []
+
+        t0 = time.perf_counter()
+        self.target.reset()
+        history = prompt[:-1]          # committed in the target
+        pending = prompt[-1]
+        self.target.prefill(history)
+        if proposer is not None:
+            proposer.reset()
+            proposer.sync(history)
+        st.prefill_s = time.perf_counter() - t0
+        if calibrate and max_tokens > 0:
+            st.ar_token_s = self._calibrate_ar(pending)
+        self._forced_carry = 0.0
+        t_dec = time.perf_counter()
+        try:
+            while len(out) < max_tokens:
+                pos = self.target.pos
+                if pos >= max_seq:
+                    st.stop_reason = "max_seq"
+                    break
+                k = self._round_k(pos, max_tokens - len(out))
+                proposal, qs = [], None
+                if k > 0 and (gov is None or gov.drafting):
+                    proposal, qs = self._propose(history, pending, k, rng)
+                n, correction = self._verify(history, pending, proposal, qs, rng)
+                self._commit(n, len(proposal), gov)
+                history.extend(([pending] + proposal)[:n + 1])
+                emitted, stop = self._emitted(proposal[:n] + [correction], stop_set, max_tokens - len(out))
+                out.extend(emitted)
+                st.tokens = len(out)
+                pending = correction
+                if gov is not None:
+                    st.governor_trips, st.governor_resumes = gov.trips, gov.resumes
+                if on_tokens is not None:
+                    on_tokens(emitted)
+                if on_round is not None:
+                    on_round(RoundResult(tuple(proposal), n, correction, tuple(emitted)))
+                if stop:
+                    st.stop_reason = "stop_token"
+                    break
+            else:
+                st.stop_reason = "max_tokens"
+        except KeyboardInterrupt:
+            st.stop_reason = "interrupted"
+            raise
+        finally:
+            st.decode_s = time.perf_counter() - t_dec
+            if proposer is not None:
+                st.draft_forwards = proposer.forwards
+                st.extra.update(proposer.extra_stats())
+            if st.ar_rounds and st.ar_token_s is None:
+                st.ar_token_s = st.ar_s / st.ar_rounds
+        return out
+
+    # -- the steps of a round ------------------------------------------------
+    def _checked_prompt(self, prompt, max_tokens) -> list:
+        prompt = [int(t) for t in prompt]
+        V, max_seq = self.cfg.vocab, self.cfg.max_seq
+        if not prompt:
+            raise DecodeError("the prompt is empty: at least one token is needed")
+        if len(prompt) > max_seq:
+            raise DecodeError(f"the prompt has {len(prompt)} tokens, longer than max_seq={max_seq}")
+        bad = [t for t in prompt if not (0 <= t < V)]
+        if bad:
+            raise DecodeError(f"prompt token {bad[0]} is outside the vocabulary (0..{V - 1})")
+        if max_tokens < 0:
+            raise DecodeError(f"max_tokens={max_tokens}: must be >= 0")
+        return prompt
+
+    def _round_k(self, pos: int, remaining: int) -> int:
+        """Proposals this round: K, fewer near max_seq or the end of the request."""
+        if self.proposer is None:
+            return 0
+        k = min(self.k, self.cfg.max_seq - 1 - pos)
+        if self.mode != "forced":  # forced keeps K fixed so its ratio is exact
+            k = min(k, remaining - 1)
+        return k
+
+    def _propose(self, history, pending, k, rng):
+        """Step 1 (timed as draft work)."""
+        ta = time.perf_counter()
+        proposal, qs = self.proposer.propose(history, pending, k, self.params, rng)
+        self.stats.draft_s += time.perf_counter() - ta
+        self.stats.draft_forwards = self.proposer.forwards
+        return proposal, qs
+
+    def _verify(self, history, pending, proposal, qs, rng):
+        """Steps 2 and 3: one target batch over [pending] + proposal; (n, correction)."""
+        params, st = self.params, self.stats
+        m = len(proposal)
+        ta = time.perf_counter()
+        logits = self.target.verify([pending] + proposal)
+        if params.greedy and not params.uses_penalty:
+            targ, rows = mx.argmax(logits, axis=-1).tolist(), None
+        else:
+            targ, rows = None, np.array(logits)
+        dt = time.perf_counter() - ta
+        if m:
+            st.verify_s += dt
+            st.spec_rounds += 1
+        else:
+            st.ar_s += dt
+            st.ar_rounds += 1
+        if not params.greedy:
+            return self._sample_round(rows, history, pending, proposal, qs, rng)
+        if targ is None:   # greedy with a repetition penalty: each row sees its own history
+            ctx = history + [pending]
+            targ = []
+            for j in range(m + 1):
+                targ.append(smp.greedy_token(rows[j], ctx, params))
+                if j < m:
+                    ctx.append(proposal[j])
+        n = 0
+        while n < m and proposal[n] == targ[n]:
+            n += 1
+        if self.mode == "forced" and m:
+            n = self._forced_n(m)
+        return n, targ[n]
+
+    def _sample_round(self, rows, history, pending, proposal, qs, rng):
+        """Step 3 when sampling: the residual rule (sampling.accept_or_resample)."""
+        params = self.params
+        ctx = history + [pending]
+        m = len(proposal)
+        if self.mode == "forced" and m:
+            n = self._forced_n(m)
+            ctx.extend(proposal[:n])
+            return n, smp.draw(smp.probabilities(rows[n], ctx, params), rng)
+        for j in range(m):
+            p = smp.probabilities(rows[j], ctx, params)
+            ok, tok = smp.accept_or_resample(p, qs[j], proposal[j], rng)
+            if not ok:
+                return j, tok
+            ctx.append(proposal[j])
+        return m, smp.draw(smp.probabilities(rows[m], ctx, params), rng)
+
+    def _forced_n(self, m: int) -> int:
+        """Forced acceptance (benchmark only): the accepted count that keeps the running
+        accepted/proposed at forced_alpha, by error diffusion."""
+        n = max(0, min(m, int(math.floor(self._forced_carry + self.forced_alpha * m + 1e-9))))
+        self._forced_carry += self.forced_alpha * m - n
+        return n
+
+    def _commit(self, n: int, m: int, gov):
+        """Step 4: n+1 positions in target and proposer; the governor sees the round."""
+        st = self.stats
+        self.target.commit(n + 1)
+        if m:
+            self.proposer.commit(n + 1)
+            st.proposed += m
+            st.accepted += n
+            if gov is not None:
+                gov.record(n, m)
+        elif gov is not None and not gov.drafting:
+            gov.ar_tokens(1)
+        st.rounds += 1
+
+    @staticmethod
+    def _emitted(tokens, stop_set, room):
+        """(the round's tokens cut after a stop token and to `room`, whether one stopped it)."""
+        stop = False
+        if stop_set:
+            for i, t in enumerate(tokens):
+                if t in stop_set:
+                    tokens = tokens[:i + 1]
+                    stop = True
+                    break
+        return tokens[:room], stop
+
+    def _calibrate_ar(self, pending, reps: int = 5) -> float:
+        """Median time of single-token target forwards, uncommitted (state unchanged);
+        the first call is a warm-up (it may compile the step)."""
+        times = []
+        for i in range(reps + 1):
+            t0 = time.perf_counter()
+            mx.eval(self.target.verify([pending]))
+            if i:
+                times.append(time.perf_counter() - t0)
+            self.target.state.discard()
+        return float(np.median(times))

@@ -1,0 +1,48 @@
+"""The target side of a round (SPEC 4): the MLX target with its decoding state.
+
+The state's ring holds at least K+1 slots (one verification batch) and at least
+PREFILL_RING, so prompts prefill in batches of that many tokens rather than K+1
+(a slot is one S [H, hd, hd] per GDN layer; the gain is in docs/decoding.md).
+"""
+from __future__ import annotations
+
+import mlx.core as mx
+
+PREFILL_RING = 16
+
+
+def token_ids(tokens) -> list:
+    return [int(t) for t in tokens]
+
+
+class TargetRunner:
+    """The MLX target model plus its decoding state, with a position counter."""
+
+    def __init__(self, model, ring: int, strict: bool = False):
+        self.model = model
+        self.cfg = model.cfg
+        self.strict = strict
+        self.ring = max(2, ring, PREFILL_RING)
+        self.state = model.new_state("target", ring=self.ring)
+        self.pos = 0
+
+    def reset(self):
+        self.state = self.model.new_state("target", ring=self.ring)
+        self.pos = 0
+
+    def prefill(self, tokens):
+        """Commit `tokens` (chunks of at most `ring`, so strict prefill is exact too)."""
+        for i in range(0, len(tokens), self.ring):
+            chunk = tokens[i:i + self.ring]
+            logits = self.model.forward(token_ids(chunk), self.state, strict=self.strict, stack="target")
+            mx.eval(logits)
+            self.state.commit(len(chunk))
+            self.pos += len(chunk)
+
+    def verify(self, tokens) -> mx.array:
+        """Logits [M, V] for `tokens` at pos..pos+M-1, nothing committed."""
+        return self.model.forward(token_ids(tokens), self.state, strict=self.strict, stack="target")
+
+    def commit(self, n: int):
+        self.state.commit(n)
+        self.pos += n
