@@ -102,10 +102,15 @@ def test_residual():
 N_DRAWS = 20000
 
 
-def _emit(p, q, rng, rule):
-    d = smp.draw(q, rng)
-    ok, tok = rule(p, q, d, rng)
-    return tok
+def _emitted_chi2(p, draft_q, rule, seed):
+    """chi2 (and df) of N_DRAWS tokens emitted by `rule` from proposals d ~ draft_q(i) against p."""
+    rng = smp.make_rng(seed)
+    counts = np.zeros(p.shape[0])
+    for i in range(N_DRAWS):
+        q = draft_q(i)
+        ok, tok = rule(p, q, smp.draw(q, rng), rng)
+        counts[tok] += 1
+    return chi2_stat(counts, p)
 
 
 def _wrong_rule(p, q, token, rng):
@@ -131,11 +136,7 @@ def _cases():
 @pytest.mark.parametrize("case", range(2))
 def test_speculative_sampling_matches_target_distribution(case):
     params, p, q = list(_cases())[case]
-    rng = smp.make_rng(2024)
-    counts = np.zeros(p.shape[0])
-    for _ in range(N_DRAWS):
-        counts[_emit(p, q, rng, smp.accept_or_resample)] += 1
-    stat, df = chi2_stat(counts, p)
+    stat, df = _emitted_chi2(p, lambda i: q, smp.accept_or_resample, 2024)
     print(f"chi2={stat:.2f} df={df} critical(0.001)={chi2_critical(df):.2f}")
     assert stat < chi2_critical(df)
 
@@ -143,22 +144,14 @@ def test_speculative_sampling_matches_target_distribution(case):
 def test_point_mass_draft_is_lossless():
     # n-gram and greedy drafts propose deterministically: q is one-hot
     params, p, _ = list(_cases())[0]
-    rng = smp.make_rng(5)
-    counts = np.zeros(p.shape[0])
-    for i in range(N_DRAWS):
-        q = smp.one_hot(i % 3, p.shape[0])  # proposals vary, always a point mass
-        counts[_emit(p, q, rng, smp.accept_or_resample)] += 1
-    stat, df = chi2_stat(counts, p)
+    # proposals vary, always a point mass
+    stat, df = _emitted_chi2(p, lambda i: smp.one_hot(i % 3, p.shape[0]), smp.accept_or_resample, 5)
     assert stat < chi2_critical(df)
 
 
 def test_wrong_rule_fails_the_same_test():
     params, p, q = list(_cases())[0]
-    rng = smp.make_rng(2024)
-    counts = np.zeros(p.shape[0])
-    for _ in range(N_DRAWS):
-        counts[_emit(p, q, rng, _wrong_rule)] += 1
-    stat, df = chi2_stat(counts, p)
+    stat, df = _emitted_chi2(p, lambda i: q, _wrong_rule, 2024)
     assert stat > 10 * chi2_critical(df)
 
 

@@ -56,21 +56,17 @@ class CDraftProposer(Proposer):
 
 
 class CDraftAheadProposer(CDraftProposer):
-    """The C draft drafting the next round on a second core while the target verifies.
+    """The C draft drafting the next round on its own native thread while the target verifies.
 
-    Plain greedy only (anything else runs as CDraftProposer).  A round's proposal
-    [p, d_0..d_{K-1}] also yields the draft's guess g at the token after d_{K-1}.
-    While the target verifies that batch, the draft's native thread proposes
-    [g, e_0..e_{K-1}] (and its guess) continuing the draft's uncommitted batch, as
-    if all K proposals were accepted and the target's correction were g.  When
-    exactly that happens, the commit keeps the continuation and the next round's
-    proposal costs nothing; otherwise committing n+1 drops it.  The proposals are
-    the same tokens CDraftProposer would make (the draft is deterministic), so the
-    output is too; only the critical path changes.  The draft's ring must hold
-    2K+2 positions.  The thread is the C module's own (propose_at_async): a Python
-    thread would first need the GIL, which the target's pass holds while it
-    schedules its nodes.  ``draft_s`` (and c) counts only the draft work left on
-    the critical path.
+    Plain greedy only (anything else runs as CDraftProposer).  With a round's proposal
+    [p, d_0..d_{K-1}] the draft also guesses g, the token after d_{K-1}; during the
+    verification it proposes [g, e_0..e_{K-1}] continuing its uncommitted batch, as if
+    all K were accepted and the correction were g.  If that happens, the commit keeps
+    the continuation and the next proposal costs nothing; otherwise committing n+1
+    drops it.  The tokens are CDraftProposer's (the draft is deterministic); the ring
+    holds 2K+2.  The thread is the C module's own: a Python thread would first wait for
+    the GIL, which the target's pass holds.  ``draft_s`` (and c) counts only the draft
+    work left on the critical path.  docs/decoding.md, "Drafting ahead".
     """
 
     def __init__(self, cdraft):

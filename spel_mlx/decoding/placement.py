@@ -33,7 +33,7 @@ import mlx.core as mx
 import numpy as np
 
 from ..config import ModelConfig
-from ..native.cdraft import MAX_THREADS
+from ..native.cdraft import MAX_THREADS, CDraft
 from .factory import make_proposer
 
 
@@ -123,7 +123,6 @@ def _target_times(model, dev: str, k: int, toks: list, reps: int):
 
 
 def _c_draft_time(cfg, weights, threads: int, k: int, toks: list, reps: int) -> float:
-    from ..native.cdraft import CDraft
     d = CDraft(cfg, weights, threads=threads, ring=k + 1)
     try:
         for t in toks[:-1]:
