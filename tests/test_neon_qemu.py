@@ -116,7 +116,7 @@ def _write_draft_file(path: Path, cfg, weights, tokens, ring=5):
 
 
 def test_draft_step_on_arm64(binaries, tmp_path):
-    from test_draft import random_weights
+    from test_cdraft import random_weights
     weights = random_weights(CFG, 21)
     tokens = np.random.default_rng(3).integers(0, CFG.vocab, 16)
     src = tmp_path / "draft.bin"
@@ -146,7 +146,7 @@ def test_x86_avx2_float_clones_identical(tmp_path):
     import platform
     if platform.machine() != "x86_64" or shutil.which("gcc") is None:
         pytest.skip("x86-64 with gcc only")
-    from test_draft import random_weights
+    from test_cdraft import random_weights
     weights = random_weights(CFG, 22)
     src = tmp_path / "draft.bin"
     _write_draft_file(src, CFG, weights, np.arange(16) % CFG.vocab)
