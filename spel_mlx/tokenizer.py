@@ -14,6 +14,8 @@ import os
 import sys
 import tempfile
 
+from ._cli import guarded
+
 ASSETS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "assets")
 DEFAULT_SP_MODEL = os.path.join(ASSETS, "tokenizer.model")
 
@@ -120,18 +122,18 @@ def main(argv=None) -> int:
     e.add_argument("text")
     e.add_argument("--vocab", type=int, default=0, help="128 for the ASCII byte vocabulary")
     a = ap.parse_args(argv)
-    try:
-        if a.cmd == "train":
-            tok = train_sentencepiece(a.input, a.out, a.vocab)
-            print(f"wrote {a.out} ({tok.vocab_size} pieces)")
-        else:
-            tok = ByteTokenizer() if a.vocab == 128 else SentencePieceTokenizer()
-            ids = tok.encode(a.text)
-            print(" ".join(map(str, ids)))
-            print(" | ".join(tok.id_to_piece(i) for i in ids))
-    except TokenizerError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
+    return guarded(lambda: _run(a), (TokenizerError,))
+
+
+def _run(a) -> int:
+    if a.cmd == "train":
+        tok = train_sentencepiece(a.input, a.out, a.vocab)
+        print(f"wrote {a.out} ({tok.vocab_size} pieces)")
+    else:
+        tok = ByteTokenizer() if a.vocab == 128 else SentencePieceTokenizer()
+        ids = tok.encode(a.text)
+        print(" ".join(map(str, ids)))
+        print(" | ".join(tok.id_to_piece(i) for i in ids))
     return 0
 
 

@@ -7,6 +7,7 @@ import pytest
 
 import spel_mlx  # noqa: F401  (BLAS before mlx)
 from spel_mlx import notebank as nb
+from spel_mlx.notebank.cli import main
 from spel_mlx.config import PRESETS, ModelConfig
 
 
@@ -42,7 +43,7 @@ def test_sparse_projection_is_fixed_sparse_and_balanced():
 def test_projection_preserves_inner_products_on_average():
     rng = np.random.default_rng(0)
     proj = nb.sparse_projection(400, 64, 16, seed=1)
-    a = nb._unit(rng.standard_normal((400, 64)).astype(np.float32))
+    a = nb.unit(rng.standard_normal((400, 64)).astype(np.float32))
     err = np.einsum("cph,ch->cp", proj, a)
     # squared norm is preserved in expectation (each channel an independent sketch)
     assert abs(float((err ** 2).sum(axis=1).mean()) - 1.0) < 0.05
@@ -89,14 +90,14 @@ def planted_keys(T=384, C=12, hd=32, needles=((40, 52), (170, 182), (300, 312)),
     position has a rare direction of its own (rare characters), as a planted
     ``KEY_n=VALUE;`` span gives. Returns keys, the per-needle rare keys, the needles."""
     rng = np.random.default_rng(seed)
-    common = nb._unit(rng.standard_normal((6, C, hd)).astype(np.float32))
+    common = nb.unit(rng.standard_normal((6, C, hd)).astype(np.float32))
     k = common[rng.integers(0, 6, T)] + 0.05 * rng.standard_normal((T, C, hd)).astype(np.float32)
     rare = []
     for lo, hi in needles:
-        r = nb._unit(rng.standard_normal((hi - lo, C, hd)).astype(np.float32))
+        r = nb.unit(rng.standard_normal((hi - lo, C, hd)).astype(np.float32))
         k[lo:hi] = r + 0.05 * rng.standard_normal((hi - lo, C, hd)).astype(np.float32)
         rare.append(r)
-    return nb._unit(k), rare, list(needles)
+    return nb.unit(k), rare, list(needles)
 
 
 def test_writer_containment_and_recall_on_planted_keys():
@@ -136,7 +137,7 @@ def test_empty_context_and_short_context():
     r = nb.address([], np.ones((3, 4, 8), np.float32), w.projection, cfg)
     assert r.top == [] and r.order.size == 0
     # empty query: zero query vector, every note scores 0 -> order by index
-    k = nb._unit(np.random.default_rng(1).standard_normal((5, 4, 8)).astype(np.float32))
+    k = nb.unit(np.random.default_rng(1).standard_normal((5, 4, 8)).astype(np.float32))
     notes = w.write(k)
     assert [(n.start, n.end) for n in notes] == [(0, 5)]   # one span covering the short context
     r = nb.address(notes, np.zeros((0, 4, 8), np.float32), w.projection, cfg)
@@ -177,7 +178,7 @@ def test_storage_arithmetic():
     assert nb.hybrid_kv_bytes(toy, 384) == 786_432
     assert nb.recurrent_state_bytes(cfg) == 9 * (6 * 64 * 64 + 2 * 384) * 4
     w = nb.NoteWriter(nb.NoteBankConfig(), C, 64)
-    k = nb._unit(np.random.default_rng(0).standard_normal((384, C, 64)).astype(np.float32))
+    k = nb.unit(np.random.default_rng(0).standard_normal((384, C, 64)).astype(np.float32))
     notes = w.write(k)
     assert sum(n.coords.nbytes + nb.NOTE_HEADER_BYTES for n in notes) == nb.notes_storage_bytes(6, C)
 
@@ -370,8 +371,8 @@ def test_notebank_to_spec_keeps_greedy_fidelity(toy):
 @needs_model
 def test_demo_cli_toy_and_errors(tmp_path, capsys):
     out = tmp_path / "demo.json"
-    rc = nb.main(["demo", "--toy", "--tokens", "96", "--chunk", "32", "--span", "8", "--spec-tokens", "0",
-                  "--json", str(out)])
+    rc = main(["demo", "--toy", "--tokens", "96", "--chunk", "32", "--span", "8", "--spec-tokens", "0",
+               "--json", str(out)])
     text = capsys.readouterr().out
     assert rc == 0 and "writer needle containment" in text and "value rank, native replay" in text
     import json
@@ -379,10 +380,10 @@ def test_demo_cli_toy_and_errors(tmp_path, capsys):
     assert res["context_tokens"] == 96 and res["chunks"] == 3 and res["notes"] == 6
     assert res["note_storage_bytes"] == 6 * (24 * 16 * 2 + 16)
     assert res["dense_kv_bytes"] == 96 * 8 * 2 * 128 * 4
-    rc = nb.main(["demo", "--checkpoint", str(tmp_path / "missing.spelw")])
+    rc = main(["demo", "--checkpoint", str(tmp_path / "missing.spelw")])
     err = capsys.readouterr().err
     assert rc == 2 and "error" in err and "Traceback" not in err
-    rc = nb.main(["demo", "--toy", "--chunk", "0"])
+    rc = main(["demo", "--toy", "--chunk", "0"])
     assert rc == 2 and "chunk" in capsys.readouterr().err
 
 
@@ -427,7 +428,7 @@ def test_demo_on_shipped_checkpoint_when_installed(tmp_path, capsys):
     if not (DEFAULT_DIR / DEFAULT_MODEL_FILE).is_file():
         pytest.skip("no shipped checkpoint installed")
     out = tmp_path / "shipped.json"
-    rc = nb.main(["demo", "--checkpoint", str(DEFAULT_DIR), "--spec-tokens", "8", "--json", str(out)])
+    rc = main(["demo", "--checkpoint", str(DEFAULT_DIR), "--spec-tokens", "8", "--json", str(out)])
     capsys.readouterr()
     import json
     res = json.loads(out.read_text())

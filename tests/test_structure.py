@@ -23,7 +23,7 @@ MAX_CPP_LINES = 600
 KNOWN_CYCLES = [["spel_mlx.cpu_ops", "spel_mlx.model"], ["bench.report", "bench.run"]]
 KNOWN_TESTS_REFS = {"spel_mlx/kernels.py"}
 KNOWN_LONG = {"spel_mlx/model.py", "spel_mlx/kernels.py",
-              "spel_mlx/notebank.py", "bench/report.py", "bench/run.py",
+              "bench/report.py", "bench/run.py",
               "spel_mlx/cpu_ext/spel_cpu_ops.cpp"}
 
 

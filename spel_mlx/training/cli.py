@@ -15,10 +15,10 @@ import argparse
 import dataclasses
 import json
 import os
-import sys
 
-from ..config import ConfigError, ModelConfig, parse_config_string
-from .config import DEFAULT_SHAPE, TrainConfig, TrainError
+from .._cli import guarded
+from ..config import ConfigError
+from .config import DEFAULT_SHAPE, TrainConfig, TrainError, model_config
 from .export import export_run
 from .loop import train
 from .onpolicy import generate_onpolicy
@@ -46,7 +46,7 @@ def _tc_from_args(a, mode: str) -> TrainConfig:
     return TrainConfig(mode=mode, **kw)
 
 
-def main(argv=None) -> int:
+def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m spel_mlx.train", description=__doc__.split("\n")[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
     _add_train_args(sub.add_parser("target", help="train the target model"), "target")
@@ -85,34 +85,30 @@ def main(argv=None) -> int:
     al.add_argument("--out", default="spel_mlx/assets/default")
     al.add_argument("--tokenizer-out", default="", help="where the SentencePiece model goes "
                     "(default spel_mlx/assets/tokenizer.model)")
-    a = ap.parse_args(argv)
-    try:
-        if a.cmd in ("target", "draft"):
-            cfg = None
-            if a.config:
-                cfg = ModelConfig(**{**ModelConfig().to_dict(), **parse_config_string(a.config)}).validate() \
-                    if a.cmd == "target" else None
-                if a.cmd == "draft":
-                    raise TrainError("draft mode takes its shape from --init; drop --config")
-            if cfg is not None and isinstance(cfg.draft_map, list):
-                cfg = cfg.replace(draft_map=tuple(cfg.draft_map))
-            resuming = os.path.exists(os.path.join(a.run, "ckpt", "state.json"))
-            s = train(a.run, cfg, _tc_from_args(a, a.cmd), extend_to=a.steps if resuming else None)
-            print(json.dumps(s, default=float))
-        elif a.cmd == "onpolicy":
-            if not 1 <= a.prompt_len <= a.seq:
-                raise TrainError(f"--prompt-len {a.prompt_len}: must be in 1..--seq ({a.seq})")
-            print(json.dumps(generate_onpolicy(a.init, a.out, a.minutes, a.data, a.tokenizer, a.seq,
-                                               a.prompt_len, a.seed, a.max_rows)))
-        elif a.cmd == "export":
-            print(export_run(a.run, a.out, a.dtype, data_dir=a.data, spelw_path=a.spelw))
-        else:
-            print(json.dumps(train_all(a)))
-    except (TrainError, ConfigError) as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        print("interrupted (the last checkpoint is kept; re-run the same command to resume)", file=sys.stderr)
-        return 130
+    return ap
+
+
+def _run(a) -> int:
+    if a.cmd in ("target", "draft"):
+        if a.cmd == "draft" and a.config:
+            raise TrainError("draft mode takes its shape from --init; drop --config")
+        cfg = model_config(a.config) if a.config else None
+        resuming = os.path.exists(os.path.join(a.run, "ckpt", "state.json"))
+        s = train(a.run, cfg, _tc_from_args(a, a.cmd), extend_to=a.steps if resuming else None)
+        print(json.dumps(s, default=float))
+    elif a.cmd == "onpolicy":
+        if not 1 <= a.prompt_len <= a.seq:
+            raise TrainError(f"--prompt-len {a.prompt_len}: must be in 1..--seq ({a.seq})")
+        print(json.dumps(generate_onpolicy(a.init, a.out, a.minutes, a.data, a.tokenizer, a.seq,
+                                           a.prompt_len, a.seed, a.max_rows)))
+    elif a.cmd == "export":
+        print(export_run(a.run, a.out, a.dtype, data_dir=a.data, spelw_path=a.spelw))
+    else:
+        print(json.dumps(train_all(a)))
     return 0
 
+
+def main(argv=None) -> int:
+    a = _parser().parse_args(argv)
+    return guarded(lambda: _run(a), (TrainError, ConfigError),
+                   interrupted="interrupted (the last checkpoint is kept; re-run the same command to resume)")

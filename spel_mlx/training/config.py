@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..config import ModelConfig, parse_config_string
+
 # the shipped model's shape
 DEFAULT_SHAPE = ("d_model=256,n_layers=8,n_heads=4,head_dim=64,d_ff=768,vocab=2048,"
                  "max_seq=4096,draft_map=0:2:3:5")
@@ -10,6 +12,13 @@ DEFAULT_SHAPE = ("d_model=256,n_layers=8,n_heads=4,head_dim=64,d_ff=768,vocab=20
 
 class TrainError(RuntimeError):
     """Bad arguments, missing inputs or an unreadable run directory."""
+
+
+def model_config(overrides: str, **fields) -> ModelConfig:
+    """ModelConfig's defaults with a ``k=v,...`` string, then ``fields``, over them; validated."""
+    d = {**ModelConfig().to_dict(), **parse_config_string(overrides), **fields}
+    d["draft_map"] = tuple(d["draft_map"])
+    return ModelConfig(**d).validate()
 
 
 @dataclass

@@ -14,14 +14,15 @@ The held-out split is contiguous ~8 KB blocks, every 50th block of each source
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import re
 import shutil
 import struct
 import subprocess
-import sys
 import zlib
+
+from .._cli import guarded
+from ..atomic import write_json, write_text
 
 AUSTEN_DIR = "/usr/lib/R/site-library/janeaustenr/data"
 AUSTEN_BOOKS = ("sensesensibility", "prideprejudice", "mansfieldpark", "emma",
@@ -208,13 +209,6 @@ def load_source(name: str) -> str:
     raise CorpusError(f"unknown corpus source {name!r} (known: {', '.join(SOURCES)})")
 
 
-def _write_atomic(path: str, text: str) -> None:
-    tmp = path + ".tmp"
-    with open(tmp, "w", encoding="ascii", newline="\n") as f:
-        f.write(text)
-    os.replace(tmp, path)
-
-
 def prepare(out_dir: str, sources=SOURCES) -> dict:
     """Write train.txt / heldout.txt / manifest.json under out_dir; return the manifest."""
     os.makedirs(out_dir, exist_ok=True)
@@ -227,9 +221,9 @@ def prepare(out_dir: str, sources=SOURCES) -> dict:
         train_parts.append(tr)
         held_parts.append(he)
         manifest["sources"][s] = {"bytes": len(text), "train_bytes": len(tr), "heldout_bytes": len(he)}
-    _write_atomic(os.path.join(out_dir, "train.txt"), "".join(train_parts))
-    _write_atomic(os.path.join(out_dir, "heldout.txt"), "".join(held_parts))
-    _write_atomic(os.path.join(out_dir, "manifest.json"), json.dumps(manifest, indent=1) + "\n")
+    write_text(os.path.join(out_dir, "train.txt"), "".join(train_parts), encoding="ascii")
+    write_text(os.path.join(out_dir, "heldout.txt"), "".join(held_parts), encoding="ascii")
+    write_json(os.path.join(out_dir, "manifest.json"), manifest)
     return manifest
 
 
@@ -238,12 +232,11 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default="data/corpus")
     ap.add_argument("--sources", default=",".join(SOURCES))
     a = ap.parse_args(argv)
-    try:
+
+    def run():
         m = prepare(a.out, [s.strip() for s in a.sources.split(",") if s.strip()])
-    except CorpusError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    for s, v in m["sources"].items():
-        print(f"{s}: {v['bytes']} bytes, train {v['train_bytes']}, held-out {v['heldout_bytes']}")
-    return 0
+        for s, v in m["sources"].items():
+            print(f"{s}: {v['bytes']} bytes, train {v['train_bytes']}, held-out {v['heldout_bytes']}")
+        return 0
+    return guarded(run, (CorpusError,))
 

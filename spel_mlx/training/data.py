@@ -9,6 +9,7 @@ import os
 
 import numpy as np
 
+from ..atomic import save_npy
 from .config import TrainError
 
 
@@ -22,9 +23,7 @@ def load_tokens(data_dir: str, tokenizer, split: str) -> np.ndarray:
     if os.path.exists(cache) and os.path.getmtime(cache) >= src_mtime:
         return np.load(cache)
     ids = np.asarray(tokenizer.encode(open(txt, encoding="utf-8").read()), dtype=np.int32)
-    tmp = cache + ".tmp.npy"
-    np.save(tmp, ids)
-    os.replace(tmp, cache)
+    save_npy(cache, ids)
     return ids
 
 

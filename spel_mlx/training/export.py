@@ -9,7 +9,7 @@ import numpy as np
 from .. import layout
 from .config import TrainError
 from .data import load_tokens
-from .runs import load_checkpoint_dir
+from .runs import load_checkpoint_dir, replace_dir
 
 
 def golden_tokens_from_heldout(data_dir: str, tokenizer, n: int = 16) -> np.ndarray:
@@ -46,10 +46,5 @@ def export_run(run: str, out_dir: str, dtype: str = "float16", tokenizer_path: s
     convert(spelw_path, tmp, code, progress=False)
     if cfg.vocab != 128:
         shutil.copyfile(tok_path, os.path.join(tmp, "tokenizer.model"))
-    old = out_dir.rstrip("/") + ".old"
-    shutil.rmtree(old, ignore_errors=True)
-    if os.path.exists(out_dir):
-        os.replace(out_dir, old)
-    os.replace(tmp, out_dir)
-    shutil.rmtree(old, ignore_errors=True)
+    replace_dir(tmp, out_dir.rstrip("/"))
     return out_dir

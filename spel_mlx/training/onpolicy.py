@@ -1,12 +1,12 @@
 """On-policy distillation data: windows of the target's own continuations."""
 from __future__ import annotations
 
-import os
 import time
 
 import numpy as np
 
 from .. import layout
+from ..atomic import save_npy
 from .data import load_tokens
 from .runs import load_checkpoint_dir
 
@@ -46,8 +46,6 @@ def generate_onpolicy(target_run: str, out_path: str, minutes: float, data_dir: 
             print(f"[onpolicy] {len(rows)} rows, {len(rows) * n_gen:,} generated tokens, "
                   f"{len(rows) * n_gen / el:.0f} tok/s, {el / 60:.1f}/{minutes:g} min", flush=True)
     arr = np.asarray(rows, dtype=np.int32).reshape(-1, seq + 1)
-    tmp = out_path + ".tmp.npy"
-    np.save(tmp, arr)
-    os.replace(tmp, out_path)
+    save_npy(out_path, arr)
     return {"rows": int(arr.shape[0]), "generated_tokens": int(arr.shape[0] * n_gen),
             "seconds": round(time.time() - t0, 1), "path": out_path}

@@ -7,8 +7,8 @@ import time
 
 import numpy as np
 
-from ..config import ModelConfig, parse_config_string
-from .config import TrainConfig
+from ..atomic import save_npy, write_json
+from .config import TrainConfig, model_config
 from .export import export_run
 from .loop import train
 from .onpolicy import generate_onpolicy
@@ -38,8 +38,7 @@ def train_all(a) -> dict:
     if not (os.path.exists(sp_path) and os.path.exists(os.path.join(tr, "ckpt", "state.json"))):
         train_sentencepiece(os.path.join(a.data, "train.txt"), sp_path, a.vocab)
         lap("tokenizer")
-    cfg = ModelConfig(**{**ModelConfig().to_dict(), **parse_config_string(a.config)})
-    cfg = cfg.replace(draft_map=tuple(cfg.draft_map), vocab=a.vocab)
+    cfg = model_config(a.config, vocab=a.vocab)
     train(tr, cfg, TrainConfig(mode="target", budget_min=a.target_min, data=a.data, batch=4,
                                warmup=40, eval_tokens=8192, ckpt_every=50, tokenizer=sp_path))
     lap("target")
@@ -67,9 +66,7 @@ def train_all(a) -> dict:
                 generate_onpolicy(tr, op2, a.onpolicy2_min, a.data, sp_path, seed=1)
                 lap("onpolicy windows 2")
             if not os.path.exists(op_all):
-                tmp = op_all + ".tmp.npy"
-                np.save(tmp, np.concatenate([np.load(op), np.load(op2)]))
-                os.replace(tmp, op_all)
+                save_npy(op_all, np.concatenate([np.load(op), np.load(op2)]))
             prev_final, final = final, os.path.join(a.runs, "draft_onpolicy2")
             train(final, None, TrainConfig(mode="draft", budget_min=a.onpolicy2_draft_min, data=a.data,
                                            init=prev_final, batch=4, lr=2e-4, warmup=10, eval_every=100,
@@ -87,8 +84,6 @@ def train_all(a) -> dict:
             prev = {}
     for k, v in times.items():          # an interrupted-and-resumed step adds up
         prev[k] = round(prev.get(k, 0.0) + v, 1)
-    with open(tf + ".tmp", "w") as f:
-        json.dump(prev, f, indent=1)
-    os.replace(tf + ".tmp", tf)
+    write_json(tf, prev)
     return {"out": a.out, "minutes": {k: round(v / 60, 1) for k, v in prev.items()},
             "total_min": round(sum(prev.values()) / 60, 1)}

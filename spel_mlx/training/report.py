@@ -19,6 +19,8 @@ import mlx.core as mx
 import numpy as np
 
 from .. import train_model as tm
+from .._cli import guarded
+from ..atomic import write_json
 from ..checkpoints.load import DEFAULT_DIR
 from .data import eval_windows
 
@@ -133,25 +135,23 @@ def main(argv=None) -> int:
     ap.add_argument("--prompts", type=int, default=8)
     ap.add_argument("--skip", default="", help="comma list of parts to skip: eval,alpha,samples")
     a = ap.parse_args(argv)
+    return guarded(lambda: _report(a), (OSError, ValueError, RuntimeError))
+
+
+def _report(a) -> int:
     skip = set(filter(None, a.skip.split(",")))
     rep = {"checkpoint": a.checkpoint}
-    try:
-        if "eval" not in skip:
-            rep["heldout"] = heldout_eval(a.checkpoint, a.data)
-            print(json.dumps(rep["heldout"]), flush=True)
-        if "alpha" not in skip:
-            rep["alpha"] = alpha_on_heldout(a.checkpoint, a.data, n_prompts=a.prompts)
-            print(json.dumps(rep["alpha"]), flush=True)
-        if "samples" not in skip:
-            rep["samples"] = samples(a.checkpoint)
-            for s in rep["samples"]:
-                print(f"--- {s['settings']}\n{s['text']}\n", flush=True)
-    except (OSError, ValueError, RuntimeError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    if "eval" not in skip:
+        rep["heldout"] = heldout_eval(a.checkpoint, a.data)
+        print(json.dumps(rep["heldout"]), flush=True)
+    if "alpha" not in skip:
+        rep["alpha"] = alpha_on_heldout(a.checkpoint, a.data, n_prompts=a.prompts)
+        print(json.dumps(rep["alpha"]), flush=True)
+    if "samples" not in skip:
+        rep["samples"] = samples(a.checkpoint)
+        for s in rep["samples"]:
+            print(f"--- {s['settings']}\n{s['text']}\n", flush=True)
     if a.out:
-        with open(a.out + ".tmp", "w") as f:
-            json.dump(rep, f, indent=1)
-        os.replace(a.out + ".tmp", a.out)
+        write_json(a.out, rep)
     return 0
 

@@ -25,10 +25,21 @@ def _save_arrays(path: str, arrays: dict) -> None:
     os.replace(tmp, path)
 
 
+def replace_dir(tmp: str, final: str) -> None:
+    """Put the finished folder ``tmp`` at ``final``. The old one waits in FINAL.old
+    until the new one is in place, so a crash between the renames loses neither."""
+    old = final.rstrip("/") + ".old"
+    if os.path.exists(final):   # else FINAL.old may be the only copy left by a crash
+        shutil.rmtree(old, ignore_errors=True)
+        os.replace(final, old)
+    os.replace(tmp, final)
+    shutil.rmtree(old, ignore_errors=True)
+
+
 def save_checkpoint(run: str, step: int, adam_t: int, params: dict, m: dict, v: dict,
                     cfg: ModelConfig, tc: TrainConfig, ctl: Controller) -> None:
     """Write run/ckpt atomically: build run/ckpt.tmp, then swap directories."""
-    tmp, final, old = os.path.join(run, "ckpt.tmp"), os.path.join(run, "ckpt"), os.path.join(run, "ckpt.old")
+    tmp = os.path.join(run, "ckpt.tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     os.makedirs(tmp)
     _save_arrays(os.path.join(tmp, "params.safetensors"), params)
@@ -39,11 +50,7 @@ def save_checkpoint(run: str, step: int, adam_t: int, params: dict, m: dict, v: 
              "controller": ctl.to_dict()}
     with open(os.path.join(tmp, "state.json"), "w") as f:
         json.dump(state, f)
-    if os.path.exists(final):
-        shutil.rmtree(old, ignore_errors=True)
-        os.replace(final, old)
-    os.replace(tmp, final)
-    shutil.rmtree(old, ignore_errors=True)
+    replace_dir(tmp, os.path.join(run, "ckpt"))
 
 
 def load_checkpoint_dir(run: str):
