@@ -189,7 +189,7 @@ def test_draft_distillation(tmp_path, target_run, data_dir):
                           np.array(tparams["layers.1.mixer.wqkv.weight"]))
     run = str(tmp_path / "draft")
     loop.train(run, None, _tc(data_dir, mode="draft", init=trun, steps=12, lr=2e-3),
-            tokenizer=ByteTokenizer(), quiet=True)
+               tokenizer=ByteTokenizer(), quiet=True)
     _, _, dparams, _, _ = runs.load_checkpoint_dir(run)
     for n in tparams:   # target, embedding and head frozen
         if not n.startswith("draft."):
@@ -208,14 +208,14 @@ def test_onpolicy_windows_and_mixture(tmp_path, target_run, data_dir):
     trun, _ = target_run
     out = str(tmp_path / "op.npy")
     r = onpolicy.generate_onpolicy(trun, out, minutes=5, data_dir=data_dir, seq=32, prompt_len=8,
-                            max_rows=4, quiet=True)
+                                   max_rows=4, quiet=True)
     rows = np.load(out)
     assert r["rows"] == 4 and rows.shape == (4, 33) and rows.dtype == np.int32
     _, cfg, params, _, _ = runs.load_checkpoint_dir(trun)
     model = SpelModel.from_weights(cfg, {n: params[n] for n in params})
     assert SpeculativeDecoder(model, None, "ar").generate(rows[0, :8].tolist(), 25) == rows[0, 8:].tolist()
     onpolicy.generate_onpolicy(trun, out + "2.npy", minutes=5, data_dir=data_dir, seq=32, prompt_len=8,
-                        max_rows=4, quiet=True)
+                               max_rows=4, quiet=True)
     assert np.array_equal(np.load(out + "2.npy"), rows)
     x, y = data.batch_at(np.arange(1000, dtype=np.int32), 3, 0, 4, 32)
     mx_, my = data.mix_onpolicy(x, y, rows, 3, 0, 0.5)
@@ -224,11 +224,11 @@ def test_onpolicy_windows_and_mixture(tmp_path, target_run, data_dir):
     assert np.array_equal(mx_[2:], x[2:]) and np.array_equal(data.mix_onpolicy(x, y, rows, 3, 0, 0.5)[0], mx_)
     d1 = str(tmp_path / "d1")
     loop.train(d1, None, _tc(data_dir, mode="draft", init=trun, steps=6, lr=2e-3, onpolicy=out),
-            tokenizer=ByteTokenizer(), quiet=True)
+               tokenizer=ByteTokenizer(), quiet=True)
     d1p = runs.load_checkpoint_dir(d1)[2]
     d2 = str(tmp_path / "d2")   # continue the distilled draft: starts from d1's draft weights
     loop.train(d2, None, _tc(data_dir, mode="draft", init=d1, steps=1, lr=0.0, warmup=0, onpolicy=out),
-            tokenizer=ByteTokenizer(), quiet=True)
+               tokenizer=ByteTokenizer(), quiet=True)
     d2p = runs.load_checkpoint_dir(d2)[2]
     n = "draft.layers.1.mixer.wqkv.weight"
     assert np.array_equal(np.array(d1p[n]), np.array(d2p[n]))
@@ -241,7 +241,7 @@ def test_onpolicy_windows_and_mixture(tmp_path, target_run, data_dir):
 def test_export_spelw_and_f16_folder(tmp_path, target_run, data_dir):
     run, _ = target_run
     out = export.export_run(run, str(tmp_path / "model"), dtype="float16", data_dir=data_dir,
-                       spelw_path=str(tmp_path / "m.spelw"))
+                            spelw_path=str(tmp_path / "m.spelw"))
     from spel_mlx.checkpoints import load_checkpoint
     _, _, params, _, _ = runs.load_checkpoint_dir(run)
     full = load_checkpoint(str(tmp_path / "m.spelw"))
@@ -257,7 +257,7 @@ def test_export_spelw_and_f16_folder(tmp_path, target_run, data_dir):
 # --- controller -----------------------------------------------------------------
 def test_controller_schedule_plateau_and_spikes():
     tc = config.TrainConfig(steps=100, warmup=10, lr=1e-3, min_lr_frac=0.1, plateau_patience=2,
-                       plateau_factor=0.5, spike_factor=4.0)
+                            plateau_factor=0.5, spike_factor=4.0)
     c = schedule.Controller()
     assert c.lr(tc, 0) == pytest.approx(1e-4)
     assert c.lr(tc, 10) == pytest.approx(1e-3)
@@ -266,7 +266,7 @@ def test_controller_schedule_plateau_and_spikes():
     assert c.observe_eval(tc, 20, 2.995) == ""          # not a real gain, 1 bad eval
     assert "plateau" in c.observe_eval(tc, 30, 3.1)     # 2nd bad eval -> LR halved
     assert c.lr_scale == 0.5 and c.lr(tc, 10) == pytest.approx(5e-4)
-    d = schedule.Controller()                                  # draft: relative gain on the KL
+    d = schedule.Controller()                           # draft: relative gain on the KL
     tcd = config.TrainConfig(mode="draft", plateau_patience=1, plateau_min_delta=0.01)
     assert d.observe_eval(tcd, 1, 0.20) == ""
     assert d.observe_eval(tcd, 2, 0.197) == ""          # 1.5% better: a real gain

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ..config import ModelConfig
 from .config import NoteBankConfig
 from .glue import Branch, NoteBank, feed
 from .measures import (containment, dense_kv_bytes, gdn_channel_count, hit_at_r, hybrid_kv_bytes,
@@ -21,7 +22,6 @@ FILLER_WORDS = ("a an at on no so to tea ten net sat eat oat nose tone stone sea
 
 def toy_config():
     """The toy shape of the original's NoteBank table: 128d / 8 layers (6 GDN + 2 attention)."""
-    from ..config import ModelConfig
     return ModelConfig(d_model=128, n_layers=8, n_heads=4, head_dim=32, d_ff=256,
                        vocab=128, max_seq=1024, draft_map=(0, 3, 4, 6))
 
