@@ -31,15 +31,6 @@ def channel_similarity(query_proj: np.ndarray, note_vectors: np.ndarray) -> np.n
     return np.einsum("cp,ncp->nc", unit(query_proj), unit(note_vectors)).astype(np.float32)
 
 
-def rank_summed(sim: np.ndarray) -> np.ndarray:
-    """Note indices by summed channel similarity, best first; ties -> lower index."""
-    sim = np.asarray(sim, np.float32)
-    if sim.shape[0] == 0:
-        return np.zeros(0, np.int64)
-    total = sim.astype(np.float64).sum(axis=1)
-    return np.lexsort((np.arange(sim.shape[0]), -total))
-
-
 def channel_votes(sim: np.ndarray) -> np.ndarray:
     """Integer votes: each channel gives one vote to every note at its maximum similarity."""
     sim = np.asarray(sim, np.float32)
@@ -48,13 +39,25 @@ def channel_votes(sim: np.ndarray) -> np.ndarray:
     return (sim == sim.max(axis=0, keepdims=True)).sum(axis=1).astype(np.int64)
 
 
-def rank_votes(sim: np.ndarray) -> np.ndarray:
-    """Note indices by channel votes, best first; ties -> summed similarity -> lower index."""
+def _rank(sim: np.ndarray, by_votes: bool) -> np.ndarray:
     sim = np.asarray(sim, np.float32)
     if sim.shape[0] == 0:
         return np.zeros(0, np.int64)
-    total = sim.astype(np.float64).sum(axis=1)
-    return np.lexsort((np.arange(sim.shape[0]), -total, -channel_votes(sim)))
+    # np.lexsort sorts by its last key first
+    keys = [np.arange(sim.shape[0]), -sim.astype(np.float64).sum(axis=1)]
+    if by_votes:
+        keys.append(-channel_votes(sim))
+    return np.lexsort(keys)
+
+
+def rank_summed(sim: np.ndarray) -> np.ndarray:
+    """Note indices by summed channel similarity, best first; ties -> lower index."""
+    return _rank(sim, by_votes=False)
+
+
+def rank_votes(sim: np.ndarray) -> np.ndarray:
+    """Note indices by channel votes, best first; ties -> summed similarity -> lower index."""
+    return _rank(sim, by_votes=True)
 
 
 @dataclass

@@ -136,16 +136,12 @@ def run_demo(model, tokenizer, cfg: NoteBankConfig | None = None, n_tokens: int 
             row[ranker] = [(n.start, n.end) for n in r.top]
         with Branch(state):
             ranks["none"].append(token_rank(feed(model, state, nd.query), nd.value_token))
-        with Branch(state):
-            t0 = time.perf_counter()
-            bank.replay_tokens(state, tops["summed"])
-            replay_ms["tokens"].append((time.perf_counter() - t0) * 1e3)
-            ranks["tokens"].append(token_rank(feed(model, state, nd.query), nd.value_token))
-        with Branch(state):
-            t0 = time.perf_counter()
-            bank.replay_native(state, tops["summed"])
-            replay_ms["native"].append((time.perf_counter() - t0) * 1e3)
-            ranks["native"].append(token_rank(feed(model, state, nd.query), nd.value_token))
+        for kind, replay in (("tokens", bank.replay_tokens), ("native", bank.replay_native)):
+            with Branch(state):
+                t0 = time.perf_counter()
+                replay(state, tops["summed"])
+                replay_ms[kind].append((time.perf_counter() - t0) * 1e3)
+                ranks[kind].append(token_rank(feed(model, state, nd.query), nd.value_token))
         per_needle.append(row)
     C = gdn_channel_count(mcfg)
     res.update({
