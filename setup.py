@@ -4,7 +4,7 @@
   plain shared library loaded with ctypes, never imported.
 * the cffi draft engine from ``neon/`` (when present).
 * ``spel_mlx._spel_cpu`` (Linux): fused CPU primitives for the MLX target
-  (spel_mlx/cpu_ext/, see spel_mlx/cpu_ops.py), built with CMake against the
+  (spel_mlx/cpu_ext/, see spel_mlx/model/cpu_ops.py), built with CMake against the
   MLX found at build time, with nanobind in MLX's domain.  Optional: if it
   cannot be built the package falls back to the plain MLX ops (``python -m
   spel_mlx.info`` says which path runs), unless SPEL_REQUIRE_CPU_EXT=1 (CI).

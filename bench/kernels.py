@@ -13,6 +13,12 @@ Figures are medians over repeats.  On a shared machine wall-clock time includes 
 other processes hold the core, so single-thread rows also give the rate per CPU-second
 of the measuring thread (``*_cpu``), which is what the kernel itself achieves.
 ``run(quick)`` returns the rows for ``python -m bench`` (section b1).
+
+    python -m bench.kernels --metal-ternary [--rows 4096 --cols 1536 --iters 200]
+
+times the custom Metal ternary GEMV (spel_mlx.metal, Apple GPUs only) against MLX's
+2-bit affine ``quantized_matmul`` and an FP32 matmul on the same rows; elsewhere only
+the MLX baselines run (CPU figures, not the GPU's).
 """
 from __future__ import annotations
 
@@ -204,6 +210,53 @@ def run(quick: bool = True) -> dict:
     return {"rows": rows}
 
 
+def bench_metal_ternary(rows: int = 4096, cols: int = 1536, iters: int = 200, seed: int = 0) -> dict:
+    """Median seconds per call of the custom ternary GEMV (Metal only) and of MLX's 2-bit
+    affine quantized_matmul and FP32 matmul on the same ternary rows."""
+    import mlx.core as mx
+    from spel_mlx import quant
+    from spel_mlx.metal.executors import metal_available
+    from spel_mlx.metal.formats import mlx_affine_ternary_matmul, ternary_to_mlx_affine
+    rng = np.random.default_rng(seed)
+    t = rng.integers(-1, 2, size=(rows, cols)).astype(np.int8)
+    s = rng.uniform(0.01, 0.05, size=rows).astype(np.float32)
+    packed = quant.pack_ternary(t)
+    cp = packed.shape[1] * 4
+    x = rng.standard_normal(cols).astype(np.float32)
+    xpad = np.zeros(cp, np.float32)
+    xpad[:cols] = x
+    wq, sg, bg = (mx.array(a) for a in ternary_to_mlx_affine(packed, s))
+    wf = mx.array(t.astype(np.float32) * s[:, None])
+    xm, xpm = mx.array(x), mx.array(xpad)
+
+    def timed(fn):
+        mx.eval(fn())
+        ts = []
+        for _ in range(iters):
+            t0 = time.perf_counter()
+            mx.eval(fn())
+            ts.append(time.perf_counter() - t0)
+        return float(np.median(ts))
+
+    res = {"rows": rows, "cols": cols, "device": "gpu" if metal_available() else "cpu",
+           "mlx_affine_2bit_s": timed(lambda: mlx_affine_ternary_matmul(xpm[None], wq, sg, bg)),
+           "fp32_matmul_s": timed(lambda: wf @ xm)}
+    if metal_available():
+        from spel_mlx.model.metal_ops import MetalOps
+        ops, wm, sm = MetalOps(), mx.array(packed), mx.array(s)
+        res["spel_ternary_s"] = timed(lambda: ops.ternary_matmul(xm, wm, sm))
+    return res
+
+
+def format_metal_ternary(r: dict) -> str:
+    macs = r["rows"] * r["cols"]
+    lines = ["%-20s %9.1f us  %7.2f GMAC/s  (%s)" % (key[:-2], r[key] * 1e6, macs / r[key] / 1e9, r["device"])
+             for key in ("spel_ternary_s", "mlx_affine_2bit_s", "fp32_matmul_s") if key in r]
+    if "spel_ternary_s" not in r:
+        lines.append("custom ternary kernel: not run (Metal unavailable)")
+    return "\n".join(lines)
+
+
 def format_table(rows) -> str:
     lines = [f"{'B1 / draft':<22}{'thr':>4}{'GMAC/s':>9}{'(cpu)':>8}{'GB/s':>8}{'us/GEMV':>9}{'x np':>7}"
              f"{'(cpu)':>7}"]
@@ -248,7 +301,20 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="fewer repeats and tokens")
     p.add_argument("--out", help="write the rows as JSON here")
+    p.add_argument("--metal-ternary", action="store_true",
+                   help="only the Metal ternary GEMV against MLX's 2-bit quantized_matmul")
+    p.add_argument("--rows", type=int, default=4096)
+    p.add_argument("--cols", type=int, default=1536)
+    p.add_argument("--iters", type=int, default=200)
     a = p.parse_args(argv)
+    if a.metal_ternary:
+        if a.rows < 1 or a.cols < 1 or a.iters < 1:
+            print("error: --rows, --cols and --iters must be >= 1", file=sys.stderr)
+            return 2
+        from spel_mlx.model import describe
+        print("kernels:", describe())
+        print(format_metal_ternary(bench_metal_ternary(a.rows, a.cols, a.iters)))
+        return 0
     try:
         res = run(quick=a.quick)
     except ImportError as e:

@@ -1,6 +1,6 @@
 // Helpers shared by the spel-mlx kernels.  Passed as the `header` of
 // mx.fast.metal_kernel, and compiled unchanged by the CPU emulation
-// (tests/metal_emu).  Scalar code only: see docs/metal.md.
+// (metal/emu).  Scalar code only: see docs/metal.md.
 
 // sigmoid / silu written once so every kernel (and every token) rounds alike.
 inline float spel_sigmoid(float x) { return 1.0f / (1.0f + metal::exp(-x)); }

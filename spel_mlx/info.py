@@ -16,13 +16,13 @@ from .config import PRESETS, ConfigError, resolve_config
 
 def _kernel_path() -> str:
     try:
-        from . import kernels
+        from .model import backends
     except ImportError:
         return "mlx-ops"
     try:
-        return str(kernels.describe())
+        return str(backends.describe())
     except Exception as e:  # a broken kernel module must not hide the rest of the report
-        return f"mlx-ops (kernels.describe() failed: {type(e).__name__}: {e})"
+        return f"mlx-ops (backends.describe() failed: {type(e).__name__}: {e})"
 
 
 def _mib(nbytes: int) -> str:

@@ -56,11 +56,10 @@ def load_for_decoding(checkpoint=None, config=None, spec_k=None, tokenizer=None)
     if getattr(tok, "vocab_size", cfg.vocab) != cfg.vocab:
         raise LoadError(f"tokenizer: {tok.name} has {tok.vocab_size} symbols but the checkpoint's "
                         f"vocab is {cfg.vocab}")
-    from . import kernels
-    from .model import SpelModel
+    from .model import SpelModel, select
     model = SpelModel.from_weights(cfg, ck.weights)
     try:
-        model.set_ops(kernels.select())  # SPEL_KERNELS; auto = Metal kernels where available
+        model.set_ops(select())  # SPEL_KERNELS; auto = Metal kernels where available
     except ValueError as e:
         raise LoadError(f"SPEL_KERNELS: {e}") from None
     return ck, cfg, tok, model

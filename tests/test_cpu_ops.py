@@ -1,4 +1,4 @@
-"""The fused CPU primitives (spel_mlx._spel_cpu via spel_mlx.cpu_ops) against
+"""The fused CPU primitives (spel_mlx._spel_cpu via spel_mlx.model.cpu_ops) against
 MLXOps and the float64 numpy reference, alone and inside the model."""
 import os
 
@@ -7,10 +7,11 @@ import pytest
 
 import spel_mlx  # noqa: F401  (BLAS before mlx)
 import mlx.core as mx
-from spel_mlx import cpu_ops
 from spel_mlx import model as model_mod
 from spel_mlx.config import ModelConfig
-from spel_mlx.model import MLXOps, SpelModel, init_weights, l2_normalize, silu_mul
+from spel_mlx.model import MLXOps, SpelModel, cpu_ops, init_weights, l2_normalize, silu_mul
+from spel_mlx.model.delta_rule import delta_rule_recurrent
+from spel_mlx.model.linear import row_block
 
 from reference import forward_reference
 
@@ -18,6 +19,12 @@ if os.environ.get("SPEL_REQUIRE_CPU_EXT") != "1" and not cpu_ops.available():
     pytest.skip("spel_mlx._spel_cpu not built: " + cpu_ops.status()[1], allow_module_level=True)
 
 REF = MLXOps()
+
+
+def _recurrence(q, k, v, a, beta, S0):
+    """The delta rule token by token: o and the stacked states."""
+    o, states = delta_rule_recurrent(q, k, v, a, beta, S0)
+    return o, mx.stack(states)
 
 
 def test_built_for_this_mlx():
@@ -46,7 +53,7 @@ def test_delta_rule_matches_mlx_ops_and_float64(ops, M, H, hd):
     a, beta = mx.sigmoid(_rand((H,), 4)), mx.sigmoid(_rand((H,), 5))
     S0 = _rand((H, hd, hd), 6, 0.3)
     o, S_all = ops.delta_rule(q, k, v, a, beta, S0)
-    o_ref, S_ref = REF.delta_rule_loop(q, k, v, a, beta, S0)
+    o_ref, S_ref = _recurrence(q, k, v, a, beta, S0)
     assert o.shape == (M, H, hd) and S_all.shape == (M, H, hd, hd)
     assert _diff(o, o_ref) < 1e-5 and _diff(S_all, S_ref) < 1e-5
     # float64 recurrence
@@ -56,9 +63,6 @@ def test_delta_rule_matches_mlx_ops_and_float64(ops, M, H, hd):
             S[h] = an[h] * S[h] + bn[h] * np.outer(vn[t, h] - S[h] @ kn[t, h], kn[t, h])
             assert np.abs(np.asarray(o)[t, h] - S[h] @ qn[t, h] / np.sqrt(hd)).max() < 1e-5
         assert np.abs(np.asarray(S_all)[t] - S).max() < 1e-5
-    # the states list of the model's pass: the same arrays, row by row
-    o2, states = ops.delta_rule_states(q, k, v, a, beta, S0)
-    assert len(states) == M and all(_diff(s, S_all[j]) == 0 for j, s in enumerate(states))
 
 
 def test_gdn_delta_fuses_the_l2_norm(ops):
@@ -70,7 +74,7 @@ def test_gdn_delta_fuses_the_l2_norm(ops):
     parts = qkv.reshape(M, 3, H, hd)
     qn, kn = l2_normalize(parts[:, 0]), l2_normalize(parts[:, 1])
     assert _diff(q, qn) < 1e-6 and _diff(k, kn) < 1e-6
-    o_ref, S_ref = REF.delta_rule_loop(qn, kn, parts[:, 2], a, beta, S0)
+    o_ref, S_ref = _recurrence(qn, kn, parts[:, 2], a, beta, S0)
     assert _diff(o, o_ref) < 1e-5 and _diff(S_all, S_ref) < 1e-5
 
 
@@ -81,7 +85,7 @@ def test_delta_rule_reads_strided_inputs(ops):
     q, k, v = qk[:, 0], qk[:, 1], qkv[:, 2]              # views with row strides 3*H*hd
     a, beta, S0 = mx.sigmoid(_rand((H,), 9)), mx.sigmoid(_rand((H,), 10)), _rand((H, hd, hd), 11, 0.3)
     got = ops.delta_rule(q, k, v, a, beta, S0)
-    want = REF.delta_rule_loop(mx.contiguous(q), mx.contiguous(k), mx.contiguous(v), a, beta, S0)
+    want = _recurrence(mx.contiguous(q), mx.contiguous(k), mx.contiguous(v), a, beta, S0)
     assert _diff(got[0], want[0]) < 1e-5 and _diff(got[1], want[1]) < 1e-5
 
 
@@ -172,13 +176,13 @@ def test_avx512_linear_equals_its_fma_reference(ops, avx512_linear, rows, cols, 
     E = avx512_linear
     lin = model_mod.Linear(cols, rows)
     for M in (1, 5, 13):
-        lin.warm(M, blocks=True)
+        ops.prepare_linear(lin, M)
         b3 = lin.blocks(M)
         x = _rand((M, cols), M)
-        got = np.asarray(ops.linear(x, b3))
+        got = np.asarray(ops.linear(x, lin))
         try:
             E.set_linear("reference")
-            want = np.asarray(ops.linear(x, b3))
+            want = np.asarray(ops.linear(x, lin))
         finally:
             E.set_linear("auto")
         if b3.shape[2] % 16 == 0:      # whole 16-column vectors: the tiles
@@ -201,19 +205,17 @@ def test_avx512_fast_batches_equal_single_token_rows(models, avx512_linear):
 @pytest.mark.parametrize("rows,rb,M", [(192, 64, 1), (192, 64, 5), (192, 32, 9), (48, None, 3)])
 def test_linear_from_row_blocks(ops, rows, rb, M):
     lin = model_mod.Linear(64, rows)
-    lin.warm(M, blocks=True)
+    ops.prepare_linear(lin, M)
     x = _rand((M, 64), 5)
     W = np.asarray(lin.weight, np.float64)
-    blocks = lin.weight_view(rb) if rb else None
-    b3 = lin._views[1][("3d", model_mod._row_block(rows, 64, M))]
-    assert b3.shape[0] * b3.shape[2] == rows
-    if blocks is not None:
-        assert b3.shape == (rows // rb, 64, rb)
-    got = ops.linear(x, b3)
+    assert row_block(rows, 64, M) == rb
+    b3 = lin.blocks(M)
+    assert b3.shape == ((rows // rb, 64, rb) if rb else (1, 64, rows))
+    got = ops.linear(x, lin)
     assert got.shape == (M, rows)
     assert np.abs(np.asarray(got) - np.asarray(x, np.float64) @ W.T).max() < 1e-5
     xs = _rand((M, 2, 64), 6)[:, 1]                                   # a strided x
-    assert np.abs(np.asarray(ops.linear(xs, b3)) - np.asarray(xs, np.float64) @ W.T).max() < 1e-5
+    assert np.abs(np.asarray(ops.linear(xs, lin)) - np.asarray(xs, np.float64) @ W.T).max() < 1e-5
 
 
 def test_inside_mx_compile(ops):
@@ -295,24 +297,21 @@ def test_fused_strict_batches_are_bit_identical_and_rollback_is_exact(models):
 
 class _SeparateOps(cpu_ops.CPUFusedOps):
     """The fused CPU ops without the whole-sub-block primitives (one node per op)."""
+    mixer_block = MLXOps.mixer_block
+    ffn_block = MLXOps.ffn_block
 
-    @property
-    def ffn_block(self):
-        raise AttributeError("ffn_block")
-
-    @property
-    def gdn_block(self):
-        raise AttributeError("gdn_block")
-
-    @property
-    def attn_block(self):
-        raise AttributeError("attn_block")
+    def rows_independent(self):
+        return False
 
 
 class _NoAttnBlockOps(cpu_ops.CPUFusedOps):
-    @property
-    def attn_block(self):
-        raise AttributeError("attn_block")
+    def mixer_block(self, blk, x, cache):
+        if blk.kind == "attn":
+            return MLXOps.mixer_block(self, blk, x, cache)
+        return super().mixer_block(blk, x, cache)
+
+    def rows_independent(self):
+        return False
 
 
 def _states_after_a_verify(m, toks):
@@ -414,7 +413,7 @@ def test_portable_build_compiles():
     mlx_inc = os.path.join(os.path.dirname(os.path.dirname(mx.__file__)), "mlx", "include")
     if not os.path.isdir(mlx_inc):
         mlx_inc = os.path.join(os.path.dirname(mx.__file__), "include")
-    src = os.path.join(os.path.dirname(cpu_ops.__file__), "cpu_ext", "spel_cpu_ops.cpp")
+    src = os.path.join(os.path.dirname(spel_mlx.__file__), "cpu_ext", "spel_cpu_ops.cpp")
     cmd = [cxx, "-std=c++20", "-fsyntax-only", "-Wall", "-Werror", "-DSPEL_NO_SIMD", '-DSPEL_MLX_VERSION="x"',
            "-I" + mlx_inc, "-I" + os.path.join(os.path.dirname(nanobind.__file__), "include"),
            "-I" + sysconfig.get_paths()["include"], src]

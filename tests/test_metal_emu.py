@@ -1,5 +1,5 @@
 """The Metal kernels (metal/*.metal), compiled unchanged as C++ against
-tests/metal_emu/metal_emu.h and run over their real grids, against float64 numpy
+metal/emu/metal_emu.h and run over their real grids, against float64 numpy
 references, the model's MLX-ops path, and the SPEC 3 quantization reference.
 Every kernel library is built once per session (one compiler run, cached on disk)."""
 import os
@@ -10,13 +10,15 @@ import pytest
 
 import spel_mlx  # noqa: F401  (BLAS before mlx)
 import mlx.core as mx
-from spel_mlx import kernels, quant
+from spel_mlx import quant
+from spel_mlx.metal import executors, formats, kernel_body, kernel_header
+from spel_mlx.metal.emu import build
+from spel_mlx.metal.launch import KERNELS, rope_inv_freq
+from spel_mlx.model import backends
+from spel_mlx.model.metal_ops import EmulatedOps, MetalOps
 
 from conftest import require_or_skip
 
-# the harness next to this file, also when spel_mlx is installed non-editable
-os.environ.setdefault("SPEL_METAL_EMU_DIR", os.path.join(os.path.dirname(os.path.abspath(__file__)),
-                                                         "metal_emu"))
 HAVE_CXX = bool(os.environ.get("CXX") or shutil.which("g++") or shutil.which("clang++"))
 
 # (M, H, hd): edge shapes M = 1 and M = 17, several head counts; H >= 8 moves the
@@ -118,7 +120,7 @@ def _sigmoid(x):
 @pytest.fixture(scope="module")
 def ops():
     require_or_skip(HAVE_CXX, "g++/clang++ not found: the Metal emulation compiles kernels as C++")
-    o = kernels.EmulatedOps(numpy_out=True)
+    o = EmulatedOps(numpy_out=True)
     with o.collecting():
         for M, d in CONV_CASES:
             o.conv_step(np.zeros((M, d), np.float32), np.zeros((2, d), np.float32), np.zeros((3, d), np.float32))
@@ -129,7 +131,7 @@ def ops():
         for case in ATTN_CASES:
             q, kc, vc = attn_inputs(*case)
             o.attend(q, kc, vc, case[3], case[0])
-            o.attend_rope(q, kc, vc, case[3], case[0], kernels.rope_inv_freq(case[2], 1e4))
+            o.attend_rope(q, kc, vc, case[3], case[0], rope_inv_freq(case[2], 1e4))
         for N, R, C in TERN_CASES:
             packed, t, s, x = tern_inputs(N, R, C)
             o.ternary_matmul(x, packed, s)
@@ -140,15 +142,14 @@ def ops():
 @pytest.fixture(scope="module")
 def fib(ops):
     """The same compiled kernels with fiber lanes: for the tests that make many dispatches."""
-    return kernels.EmulatedOps(numpy_out=True, lanes="fibers")
+    return EmulatedOps(numpy_out=True, lanes="fibers")
 
 
 # ---- the generated signature is MLX's ------------------------------------------------------
 def test_generated_signature_has_mlx_form():
-    build = kernels._emu_module()
-    body = kernels.kernel_body("gdn_delta")
-    k = build.EmuKernel("gdn_delta", kernels.KERNELS["gdn_delta"].inputs,
-                        kernels.KERNELS["gdn_delta"].outputs, body, kernels.kernel_header())
+    body = kernel_body("gdn_delta")
+    k = build.EmuKernel("gdn_delta", KERNELS["gdn_delta"].inputs,
+                        KERNELS["gdn_delta"].outputs, body, kernel_header())
     q, kk, v, a, b, S0 = delta_inputs(2, 3, 32)
     inst = build.instance_for(k, [q, kk, v, a, b, S0], [np.float32, np.float32], [("HD", 32), ("FUSED", 0)])
     src = k.function_source("custom_kernel_x", inst.in_specs, inst.out_dtypes, inst.template)
@@ -165,10 +166,10 @@ def test_generated_signature_has_mlx_form():
     assert body in src            # the body, unchanged
     assert k.threaded             # simd_sum: one std::thread per lane
     conv = build.EmuKernel("gdn_conv", ("x", "tail", "conv"), ("u", "tails"),
-                           kernels.kernel_body("gdn_conv"), kernels.kernel_header())
+                           kernel_body("gdn_conv"), kernel_header())
     assert not conv.threaded      # no barrier / SIMD function: threads run in turn
-    attn = build.EmuKernel("attn_verify", kernels.KERNELS["attn_verify"].inputs, ("o",),
-                           kernels.kernel_body("attn_verify"))
+    attn = build.EmuKernel("attn_verify", KERNELS["attn_verify"].inputs, ("o",),
+                           kernel_body("attn_verify"))
     inst = build.instance_for(attn, list(attn_inputs(1, 1, 32, 0)) + [np.int32(0), np.ones(16, np.float32)],
                               [np.float32], [("HD", 32), ("ROPE_Q", 0)])
     src = attn.function_source("f", inst.in_specs, inst.out_dtypes, inst.template)
@@ -249,7 +250,7 @@ def test_attend_rope_fused(ops, M, H, hd, pos0):
     r = _rng(200 + M)
     q_raw = (2 * r.standard_normal((M, H, hd))).astype(np.float32)
     _, kc, vc = attn_inputs(M, H, hd, pos0, seed=9)
-    inv_freq = kernels.rope_inv_freq(hd, 10000.0)
+    inv_freq = rope_inv_freq(hd, 10000.0)
     o = ops.attend_rope(q_raw, kc, vc, pos0, M, inv_freq)
     ref = ref_attend(ref_rope(_unit(q_raw), pos0, inv_freq), kc, vc, pos0)
     # the angle rounds alike here and in the kernel; cos/sin of a ~1e3 rad float32 angle differ by ulps
@@ -273,6 +274,7 @@ def test_matches_model_mlx_ops(fib):
     q, k, v, a, b, S0 = delta_inputs(M, H, hd, seed=11)
     o, S_all = fib.delta_rule(q, k, v, a, b, S0)
     mo, mS = ref.delta_rule(*(mx.array(t) for t in (q, k, v, a, b, S0)))
+    mS = mx.stack(mS)                           # MLXOps: the M states as separate arrays
     assert np.abs(o - np.array(mo)).max() < 1e-5 and np.abs(S_all - np.array(mS)).max() < 1e-5
     r = _rng(12)
     x, tail, conv = (r.standard_normal(s).astype(np.float32) for s in ((17, 48), (2, 48), (3, 48)))
@@ -315,12 +317,12 @@ def test_q8_matmul_bit_exact(ops, N, R, C):
     assert y.shape == (N, R)
     for n in range(N):
         assert np.array_equal(y[n], quant.gemv_q8_ref(q, s, x[n])), n
-    assert np.array_equal(ops.q8_matmul(x[0], kernels.pad_q8_rows(q), s), y[0])
+    assert np.array_equal(ops.q8_matmul(x[0], formats.pad_q8_rows(q), s), y[0])
 
 
 def test_mlx_affine_2bit_represents_ternary_exactly():
     packed, t, s, x = tern_inputs(3, 24, 130, seed=21)
-    w, scales, biases = kernels.ternary_to_mlx_affine(packed, s)
+    w, scales, biases = formats.ternary_to_mlx_affine(packed, s)
     cp = packed.shape[1] * 4
     assert w.dtype == np.uint32 and w.shape == (24, cp // 16) and scales.shape == (24, cp // 64)
     deq = np.array(mx.dequantize(mx.array(w), mx.array(scales), mx.array(biases), group_size=64, bits=2))
@@ -329,14 +331,14 @@ def test_mlx_affine_2bit_represents_ternary_exactly():
     assert np.array_equal(deq, want)              # codes {0,1,2} x s - s: exact
     xp = np.zeros((3, cp), np.float32)
     xp[:, :130] = x
-    y = np.array(kernels.mlx_affine_ternary_matmul(mx.array(xp), mx.array(w), mx.array(scales),
+    y = np.array(formats.mlx_affine_ternary_matmul(mx.array(xp), mx.array(w), mx.array(scales),
                                                    mx.array(biases)))
     assert np.abs(y - xp @ want.T).max() < 1e-4
 
 
 # ---- the harness itself ------------------------------------------------------------------------
 def test_os_threads_and_fibers_agree_bit_for_bit(ops):
-    fib = kernels.EmulatedOps(numpy_out=True, lanes="fibers")
+    fib = EmulatedOps(numpy_out=True, lanes="fibers")
     args = delta_inputs(17, 1, 32, seed=40)
     for a, b in zip(ops.delta_rule(*args), fib.delta_rule(*args)):
         assert np.array_equal(a, b)
@@ -349,7 +351,6 @@ def test_os_threads_and_fibers_agree_bit_for_bit(ops):
 @pytest.mark.parametrize("lanes", ["threads", "fibers"])
 def test_emulator_reports_divergent_simd_call(monkeypatch, lanes):
     require_or_skip(HAVE_CXX, "g++/clang++ not found")
-    build = kernels._emu_module()
     body = ("if (thread_index_in_simdgroup < 3) { return; }\n"
             "y[thread_position_in_grid.x] = metal::simd_sum(x[thread_position_in_grid.x]);")
     k = build.EmuKernel("divergent", ("x",), ("y",), body)
@@ -364,7 +365,6 @@ def test_emulator_barrier_and_simd_semantics(lanes):
     """threadgroup memory is shared within a group, barriers order it, SIMD ops see 32 lanes,
     partial edge groups run with their real size, and unwritten outputs stay NaN."""
     require_or_skip(HAVE_CXX, "g++/clang++ not found")
-    build = kernels._emu_module()
     body = """
   threadgroup float sh[96];
   const uint t = thread_index_in_threadgroup;
@@ -395,24 +395,24 @@ def test_emulator_barrier_and_simd_semantics(lanes):
 # ---- selection ----------------------------------------------------------------------------------
 def test_select_and_describe(monkeypatch):
     monkeypatch.delenv("SPEL_KERNELS", raising=False)
-    monkeypatch.setattr(kernels, "_selected", None)
-    auto = kernels.resolve()
-    from spel_mlx import cpu_ops
-    assert auto == ("metal" if kernels.metal_available() else "cpu" if cpu_ops.available() else "mlx")
-    assert kernels.describe().startswith(auto)
+    monkeypatch.setattr(backends, "_selected", None)
+    auto = backends.resolve()
+    from spel_mlx.model import cpu_ops
+    assert auto == ("metal" if executors.metal_available() else "cpu" if cpu_ops.available() else "mlx")
+    assert backends.describe().startswith(auto)
     with pytest.raises(ValueError, match="SPEL_KERNELS"):
-        kernels.resolve("cuda")
+        backends.resolve("cuda")
     monkeypatch.setenv("SPEL_KERNELS", "emulated")
-    assert kernels.resolve() == "emulated"
+    assert backends.resolve() == "emulated"
     from spel_mlx.model import MLXOps
-    assert isinstance(kernels.select("mlx"), MLXOps)
-    assert kernels.describe().startswith("mlx (selected)")
-    if not kernels.metal_available():
+    assert type(backends.select("mlx")) is MLXOps
+    assert backends.describe().startswith("mlx (selected)")
+    if not executors.metal_available():
         with pytest.raises(RuntimeError, match="Metal is not available"):
-            kernels.MetalOps()
+            MetalOps()
     if HAVE_CXX:
-        assert isinstance(kernels.select("emulated"), kernels.EmulatedOps)
-        assert kernels.describe().startswith("emulated (selected)")
+        assert isinstance(backends.select("emulated"), EmulatedOps)
+        assert backends.describe().startswith("emulated (selected)")
 
 
 # ---- the model's fidelity properties with the kernels' code path ----------------------------
@@ -424,7 +424,7 @@ def test_model_strict_fast_and_rollback_with_emulated_kernels(ops):
     w = init_weights(cfg, seed=3)
     ref_model = SpelModel.from_weights(cfg, w)
     model = SpelModel.from_weights(cfg, w)
-    model.set_ops(kernels.EmulatedOps(lanes="fibers"))   # ~100 dispatches: fibers keep it fast
+    model.set_ops(EmulatedOps(lanes="fibers"))   # ~100 dispatches: fibers keep it fast
     assert model.compile is False              # requires_eager: the emulation reads host arrays
     r = _rng(30)
     prompt, batch, after = (r.integers(0, cfg.vocab, n) for n in (9, 5, 4))
@@ -467,8 +467,7 @@ def test_metal_ops_calls_metal_kernel_correctly(ops, monkeypatch):
     by a stand-in that checks what MetalOps passes (body, header, names, template, mx dtypes)
     and runs it on the emulation, so the mx-array path (0-d pos0, uint8 -> uint32 view,
     fallbacks) is tested end to end."""
-    ex = kernels._EmuExecutor(lanes="fibers")
-    build = ex.emu
+    ex = executors.EmuExecutor(lanes="fibers")
     seen = []
 
     def fake_metal_kernel(name, input_names, output_names, source, header="",
@@ -487,9 +486,9 @@ def test_metal_ops_calls_metal_kernel_correctly(ops, monkeypatch):
             return [mx.array(o) for o in outs]
         return call
 
-    monkeypatch.setattr(kernels, "metal_available", lambda: True)
+    monkeypatch.setattr(executors, "metal_available", lambda: True)
     monkeypatch.setattr(mx.fast, "metal_kernel", fake_metal_kernel)
-    metal = kernels.MetalOps()
+    metal = MetalOps()
 
     from spel_mlx.config import ModelConfig
     from spel_mlx.model import SpelModel, init_weights
@@ -525,14 +524,14 @@ def test_metal_ops_trace_inside_mx_compile(monkeypatch):
             return [mx.zeros(s, dtype=d) for s, d in zip(output_shapes, output_dtypes)]
         return call
 
-    monkeypatch.setattr(kernels, "metal_available", lambda: True)
+    monkeypatch.setattr(executors, "metal_available", lambda: True)
     monkeypatch.setattr(mx.fast, "metal_kernel", fake_metal_kernel)
     from spel_mlx.config import ModelConfig
     from spel_mlx.model import SpelModel, init_weights
     cfg = ModelConfig(d_model=48, n_layers=3, n_heads=2, head_dim=32, d_ff=64, vocab=32,
                       max_seq=96, attn_period=3, draft_map=(0, 2), spec_k=4)
     model = SpelModel.from_weights(cfg, init_weights(cfg, seed=1))
-    model.set_ops(kernels.MetalOps())
+    model.set_ops(MetalOps())
     assert model.compile is True
     st = model.new_state()
     logits = model.forward([1, 2, 3], st)

@@ -276,9 +276,9 @@ def test_info_cli(capsys):
 def test_row_blocked_matmuls(small, monkeypatch):
     """The CPU row-blocking of Linear (off for SMALL's tiny weights by default),
     forced on: still the reference function, and strict stays bit-identical."""
-    import spel_mlx.model as model_mod
-    monkeypatch.setattr(model_mod, "BLOCK_ROWS", {5: 32, None: 16})
-    assert model_mod._row_block(96, 64, 1) == 32 and model_mod._row_block(64, 96, 9) == 16
+    from spel_mlx.model import linear
+    monkeypatch.setattr(linear, "BLOCK_ROWS", {5: 32, None: 16})
+    assert linear.row_block(96, 64, 1) == 32 and linear.row_block(64, 96, 9) == 16
     w, _ = small
     model = SpelModel.from_weights(SMALL, w)
     toks = tokens(20, seed=17)
@@ -309,19 +309,20 @@ def _delta_inputs(M, H, hd, seed):
 
 @pytest.mark.parametrize("M", [2, 3, 4, 5, 8, 9, 16, 17])
 def test_chunked_delta_rule_matches_recurrence(M):
+    """The verification form: one chunk of M tokens from S0, every token's state."""
     from spel_mlx.model import MLXOps
+    from spel_mlx.model.delta_rule import chunk_gates, delta_rule_recurrent
     ops = MLXOps()
     args = _delta_inputs(M, 4, 32, seed=M)
-    o_ref, S_ref = ops.delta_rule_loop(*args)
+    o_ref, S_ref = delta_rule_recurrent(*args)
+    S_ref = mx.stack(S_ref)
+    gates = chunk_gates(args[3], M)
     for fn in (ops.delta_rule, mx.compile(ops.delta_rule)):
-        o, S_all = fn(*args)
-        assert o.shape == o_ref.shape and S_all.shape == S_ref.shape == (M, 4, 32, 32)
-        assert float(mx.abs(o - o_ref).max()) < 2e-6
-        assert float(mx.abs(S_all - S_ref).max()) < 2e-6 * float(mx.abs(S_ref).max())
-    o2, states = ops.delta_rule_states(*args)
-    assert len(states) == M and float(mx.abs(o2 - o_ref).max()) < 2e-6
-    for j in range(M):
-        assert float(mx.abs(states[j] - S_ref[j]).max()) < 2e-6 * float(mx.abs(S_ref).max())
+        for g in (None, gates):
+            o, states = fn(*args, g)
+            assert o.shape == o_ref.shape and len(states) == M and S_ref.shape == (M, 4, 32, 32)
+            assert float(mx.abs(o - o_ref).max()) < 2e-6
+            assert float(mx.abs(mx.stack(states) - S_ref).max()) < 2e-6 * float(mx.abs(S_ref).max())
 
 
 def test_fast_k16_verify_commit_any_prefix(small):
@@ -348,13 +349,14 @@ def test_replaced_delta_rule_used_in_batched_pass(small):
     """A subclass that overrides only delta_rule is what an M-row pass runs."""
     _, model = small
     from spel_mlx.model import MLXOps
+    from spel_mlx.model.delta_rule import delta_rule_recurrent
 
     class Counting(MLXOps):
         Ms = []
 
-        def delta_rule(self, q, k, v, a, beta, S0):
+        def delta_rule(self, q, k, v, a, beta, S0, gates=None):
             Counting.Ms.append(q.shape[0])
-            return self.delta_rule_loop(q, k, v, a, beta, S0)
+            return delta_rule_recurrent(q, k, v, a, beta, S0)
     model.set_ops(MLXOps())
     ref = np.array(model.forward(tokens(5), model.new_state()))
     model.set_ops(Counting())
@@ -369,8 +371,8 @@ def test_replaced_delta_rule_used_in_batched_pass(small):
 @pytest.mark.parametrize("W,pos0,M", [(64, 0, 2), (64, 40, 5), (160, 143, 17), (1152, 1100, 3)])
 def test_attend_head_major_matches_all_heads_form(W, pos0, M, monkeypatch):
     """The head-major attend (M > 1, short windows) against the all-heads form."""
-    import spel_mlx.model as model_mod
     from spel_mlx.model import MLXOps, l2_normalize
+    from spel_mlx.model import ops as model_mod
     r = np.random.default_rng(W + M)
     q = l2_normalize(mx.array(r.standard_normal((M, 3, 32)).astype(np.float32)))
     kc = l2_normalize(mx.array(r.standard_normal((W, 3, 32)).astype(np.float32)))
@@ -426,14 +428,14 @@ def test_update_rebuilds_cached_constants(small):
 def test_row_block_sizes_by_batch():
     """64-row blocks up to 5 rows, 32 beyond (a divisor of the rows, at least 16);
     weights of at most one block's rows are one contiguous W^T."""
-    from spel_mlx.model import _row_block
-    assert _row_block(3072, 1024, 1) == 64 and _row_block(3072, 1024, 5) == 64
-    assert _row_block(3072, 1024, 9) == 32 and _row_block(3072, 1024, 17) == 32
-    assert _row_block(1152, 384, 5) == 64 and _row_block(1152, 384, 6) == 32
-    assert _row_block(2048, 256, 1) == 64                   # the shipped LM head
-    assert _row_block(64, 64, 5) is None                    # one block: plain W^T
-    assert _row_block(40, 64, 17) == 20                     # 40 rows > 32: divisor 20 ...
-    assert _row_block(100, 64, 1) == 50 and _row_block(97, 64, 1) is None   # ... prime: no blocks
+    from spel_mlx.model.linear import row_block
+    assert row_block(3072, 1024, 1) == 64 and row_block(3072, 1024, 5) == 64
+    assert row_block(3072, 1024, 9) == 32 and row_block(3072, 1024, 17) == 32
+    assert row_block(1152, 384, 5) == 64 and row_block(1152, 384, 6) == 32
+    assert row_block(2048, 256, 1) == 64                    # the shipped LM head
+    assert row_block(64, 64, 5) is None                     # one block: plain W^T
+    assert row_block(40, 64, 17) == 20                      # 40 rows > 32: divisor 20 ...
+    assert row_block(100, 64, 1) == 50 and row_block(97, 64, 1) is None   # ... prime: no blocks
 
 
 def test_warm_layout_is_contiguous_and_exact():

@@ -1,7 +1,6 @@
 """Compile mx.fast.metal_kernel bodies as C++ and run them on numpy buffers.
 
-Tests and diagnostics only (spel_mlx.kernels.EmulatedOps loads this file from a
-source checkout).  For each kernel body the same function signature MLX writes
+Tests and diagnostics (``spel_mlx.model.metal_ops.EmulatedOps`` runs on it).  For each kernel body the same function signature MLX writes
 (``write_signature`` in MLX's metal_kernel: inputs ``const device T* name``,
 ``const constant T*`` below 8 elements, ``const constant T&`` for 0-d arrays,
 ``name_shape`` / ``name_strides`` / ``name_ndim`` when the body mentions them,

@@ -1,0 +1,115 @@
+"""The fused CPU primitives of ``spel_mlx._spel_cpu`` as the model's ops.
+
+The module (C++ in spel_mlx/cpu_ext/, built by setup.py against the installed
+MLX) adds MLX primitives that run on the CPU stream.  On the CPU every graph
+node costs microseconds of dispatch, so each residual half of a layer is one
+node here (two for attention, around MLX's in-place cache update) where plain
+MLX spends dozens; docs/model.md has the measurements.  MLXOps stays the
+reference (tests/test_cpu_ops.py).
+"""
+from __future__ import annotations
+
+import mlx.core as mx
+
+from .ops import MLXOps
+
+try:
+    from .. import _spel_cpu
+    _IMPORT_ERROR = ""
+except ImportError as e:          # not built (no compiler at install, non-Linux)
+    _spel_cpu = None
+    _IMPORT_ERROR = str(e)
+
+
+def status() -> tuple:
+    """(usable, reason): the module is importable and built for this MLX."""
+    if _spel_cpu is None:
+        return False, f"spel_mlx._spel_cpu is not built ({_IMPORT_ERROR})"
+    if _spel_cpu.mlx_version != mx.__version__:
+        return False, (f"spel_mlx._spel_cpu was built for MLX {_spel_cpu.mlx_version}, "
+                       f"MLX {mx.__version__} is running (reinstall spel-mlx to rebuild it)")
+    return True, "built for MLX " + _spel_cpu.mlx_version
+
+
+def available() -> bool:
+    return status()[0]
+
+
+def _pos(pos0):
+    return (pos0 if isinstance(pos0, mx.array) else mx.array(pos0, dtype=mx.int32)).astype(mx.int32)
+
+
+class CPUFusedOps(MLXOps):
+    name = "cpu-fused"
+
+    def __init__(self):
+        ok, why = status()
+        if not ok:
+            raise RuntimeError(why)
+
+    # --- whole residual halves: one node each, the separate primitives' kernels ---------
+    def mixer_block(self, blk, x, cache):
+        mix = self._blocks(x, blk.mixer.wqkv, blk.mixer.wo)
+        if mix is None:
+            return super().mixer_block(blk, x, cache)
+        norm = blk.attn_norm
+        if blk.kind == "gdn":
+            g = blk.mixer.gates(x.shape[0])
+            h, cache.states, cache.tails, cache.q, cache.k = _spel_cpu.gdn_block(
+                x, norm.weight, cache.tail, blk.mixer.conv, mix[0], g["a"], g["b"], cache.S, mix[1],
+                float(norm.eps))
+            return h
+        # attention: two nodes around MLX's slice_update, which writes the cache rows in
+        # place (a custom node never may: its outputs would share its inputs).  Its L2
+        # norm and RoPE are C++: close to the separate ops, not bit-equal.
+        cos, sin = blk.mixer._rope_table
+        pos = _pos(cache.pos)
+        q, k, v = _spel_cpu.attn_qkv(x, norm.weight, mix[0], pos, cos, sin, cache.keys.shape[1], float(norm.eps))
+        cache.write(k, v)
+        return _spel_cpu.attn_out(x, q, cache.keys, cache.values, pos, mix[1], int(cache.window))
+
+    def ffn_block(self, blk, h):
+        mlp = self._blocks(h, blk.mlp.w1, blk.mlp.w3, blk.mlp.w2)
+        if mlp is None:
+            return super().ffn_block(blk, h)
+        return _spel_cpu.ffn_block(h, blk.ffn_norm.weight, *mlp, float(blk.ffn_norm.eps))
+
+    @staticmethod
+    def _blocks(x, *lins):
+        """The warm [nb, in, rb] blocks of each Linear for x's rows, or None."""
+        if x.ndim != 2:
+            return None
+        blocks = [lin.blocks(x.shape[0]) for lin in lins]
+        return None if any(b is None for b in blocks) else blocks
+
+    # --- single primitives ---------------------------------------------------------------
+    def prepare_linear(self, lin, M: int) -> None:
+        lin.warm(M, blocks=True)
+
+    def linear(self, x, lin):
+        blocks = self._blocks(x, lin)
+        return lin(x) if blocks is None else _spel_cpu.linear(x, blocks[0])
+
+    def rms_norm(self, x, weight, eps: float):
+        return _spel_cpu.rms_norm(x, weight, float(eps))
+
+    def silu_mul(self, a, b):
+        return _spel_cpu.silu_mul(a, b)
+
+    def rows_independent(self) -> bool:
+        # every kernel works row by row; the products are one FMA chain per element
+        # only with the AVX-512 tiles
+        return bool(_spel_cpu.fma_chain_linear()) and mx.default_device() == mx.cpu
+
+    def conv_step(self, x, tail, conv):
+        return _spel_cpu.conv(x, tail, conv)
+
+    def gdn_delta(self, qkv, a, beta, S0, gates=None):
+        """The q/k L2 norm and the delta rule in one node; states stacked."""
+        return _spel_cpu.gdn_delta(qkv, a, beta, S0)
+
+    def delta_rule(self, q, k, v, a, beta, S0, gates=None):
+        return _spel_cpu.delta(q, k, v, a, beta, S0)
+
+    def attend(self, q, k_cache, v_cache, pos0, M):
+        return _spel_cpu.attend(q, k_cache, v_cache, _pos(pos0))

@@ -1,0 +1,125 @@
+"""Decoding passes: one ``mx.compile``d function of a whole stack over M rows.
+
+A pass is compiled per (stack, M, attention window, device).  Its inputs are the
+tokens, the position of row 0 (an int32 scalar, so positions do not retrace),
+the GDN slot arrays and the full KV caches; its outputs the logits, the states
+after each row, the updated caches and the GDN q/k.  Weight layouts and gate
+constants are built before tracing, so the pass captures them as constants.
+A single-token forward is the M=1 pass; strict rows run it row by row.
+"""
+from __future__ import annotations
+
+import mlx.core as mx
+
+MIN_WINDOW = 64  # smallest attention window of a pass
+
+
+def window(n: int, max_seq: int) -> int:
+    """Attention window covering n positions: powers of two from MIN_WINDOW to
+    1024, then multiples of 512 (past 1k tokens attention costs about as much as
+    the weights), so at most ~1.5x what is needed, for a handful of shapes."""
+    w = MIN_WINDOW
+    while w < n and w < 1024:
+        w *= 2
+    if w < n:
+        w = -(-n // 512) * 512
+    return min(w, max_seq)
+
+
+class GDNCache:
+    """A GDN layer inside a pass: the state S [H,hd,hd] and conv tail [2,d] before
+    row 0; the mixer leaves the states and tails after each row and the unit q, k."""
+
+    def __init__(self, S, tail):
+        self.S, self.tail = S, tail
+        self.states = self.tails = self.q = self.k = None
+
+    def outputs(self, M: int) -> list:
+        """Stacked states (one [M,H,hd,hd] array) go out with the stacked tails;
+        a list of lazy per-row states goes out row by row, tails too."""
+        if isinstance(self.states, mx.array):
+            return [self.states, self.tails]
+        return list(self.states) + rows(self.tails, M)
+
+
+class KVCache:
+    """An attention layer inside a pass: the full K/V caches [max_seq,H,hd]; this
+    batch's rows go in at ``pos``, attention reads the first ``window`` rows."""
+
+    def __init__(self, keys, values, pos, window: int):
+        self.keys, self.values, self.pos, self.window = keys, values, pos, window
+
+    def write(self, k, v) -> None:
+        self.keys = mx.slice_update(self.keys, k, self.pos, axes=(0,))
+        self.values = mx.slice_update(self.values, v, self.pos, axes=(0,))
+
+    def update_and_fetch(self, k, v):
+        self.write(k, v)
+        return self.keys[:self.window], self.values[:self.window]
+
+
+def rows(a, M: int) -> list:
+    """[a[0], ..., a[M-1]] as slice+reshape views (integer indexing would gather)."""
+    shape = a.shape[1:]
+    return [a[j:j + 1].reshape(shape) for j in range(M)] if M > 1 else [a.reshape(shape)]
+
+
+def make_pass(model, stack: str, M: int, win: int):
+    """The function of one M-row pass over ``stack`` with attention window ``win``."""
+    ops = model.ops
+    layers = model.stack_layers(stack)
+    for blk in layers:       # constants built now, captured by the trace
+        if blk.kind == "gdn":
+            blk.mixer.gates(M)
+        for lin in blk.linears():
+            ops.prepare_linear(lin, M)
+    ops.prepare_linear(model.lm_head, M)
+
+    def one_pass(tokens, pos, gdn_in, kv_in):
+        gdn_it, kv_it = iter(gdn_in), iter(kv_in)
+        caches = [GDNCache(next(gdn_it), next(gdn_it)) if blk.kind == "gdn" else
+                  KVCache(next(kv_it), next(kv_it), pos, win) for blk in layers]
+        logits = model.stack_logits(tokens, layers, caches, ops)
+        gdn = [c for c in caches if isinstance(c, GDNCache)]
+        kv = [c for c in caches if isinstance(c, KVCache)]
+        return (logits, [a for c in gdn for a in c.outputs(M)], [a for c in kv for a in (c.keys, c.values)],
+                [a for c in gdn for a in (c.q, c.k)])
+
+    return mx.compile(one_pass) if model.compile else one_pass
+
+
+def run_pass(model, toks: list, state):
+    """One pass of len(toks) rows after the state's last written position; writes
+    the new KV rows and GDN slots into the state.  Returns logits and the q/k of
+    each GDN layer."""
+    M = len(toks)
+    base = state.pos + state.pending
+    win = window(base + M, model.cfg.max_seq)
+    key = (state.stack, M, win, str(mx.default_device()))   # device: row blocks are CPU-only
+    fn = model._compiled.get(key)
+    if fn is None:
+        fn = model._compiled[key] = make_pass(model, state.stack, M, win)
+    gdn_in, kv_in = [], []
+    for li in state.gdn_layers:
+        gdn_in.extend(state.current_gdn(li))
+    for li in state.attn_layers:
+        kv_in.extend(state.kv(li))
+    logits, gdn_out, kv_out, qk = fn(mx.array(toks, dtype=mx.int32), mx.array(base, dtype=mx.int32),
+                                     gdn_in, kv_in)
+    del kv_in   # only the pass may reference the old caches: MLX then updates them in place
+    for n, li in enumerate(state.attn_layers):
+        state.set_kv(li, kv_out[2 * n], kv_out[2 * n + 1])
+    captured, at = {}, 0
+    for n, li in enumerate(state.gdn_layers):
+        if gdn_out[at].ndim == 4:
+            state.write_gdn_rows(li, gdn_out[at], gdn_out[at + 1])
+            at += 2
+        else:
+            state.write_gdn(li, gdn_out[at:at + M], gdn_out[at + M:at + 2 * M])
+            at += 2 * M
+        captured[li] = {"q": qk[2 * n], "k": qk[2 * n + 1]}
+    state.advance(M)
+    # the GDN slots stay lazy: the next pass evaluates the one it starts from, and a
+    # rejected token's state (chunked delta rule) is never computed
+    mx.async_eval(logits, kv_out)
+    return logits, captured
