@@ -1,6 +1,5 @@
-"""Trainer: chunked GDN vs the recurrence, training math vs the model and the
-numpy reference, QAT fake-quant vs spel_mlx.quant, loss goes down, a killed run
-resumes with the same losses, draft distillation, controller, export, corpus."""
+"""Trainer: loss goes down, a killed run resumes with the same losses, draft
+distillation, controller, export, corpus (the training forward's math: test_model_training.py)."""
 import json
 import math
 import os
@@ -10,7 +9,7 @@ import pytest
 
 import spel_mlx  # noqa: F401  (BLAS before mlx)
 import mlx.core as mx
-from spel_mlx import quant, train_model as tm
+from spel_mlx.model import copy_target_to_draft, init_params
 from spel_mlx.training import (config, corpus, data, export, loop, onpolicy, pipeline, runs, schedule,
                                steps)
 from spel_mlx.config import ModelConfig
@@ -19,103 +18,6 @@ from spel_mlx.tokenizer import ByteTokenizer
 # 4 layers with attn_period 2: GDN, attention, GDN, attention; draft of 3 layers
 TINY = ModelConfig(d_model=32, n_layers=4, n_heads=2, head_dim=16, d_ff=48, vocab=128,
                    max_seq=256, attn_period=2, draft_map=(0, 1, 2))
-
-
-def _rand_qkv(B, H, T_, hd, seed=0):
-    rng = np.random.default_rng(seed)
-    q = tm._unit(mx.array(rng.standard_normal((B, H, T_, hd)).astype(np.float32)))
-    k = tm._unit(mx.array(rng.standard_normal((B, H, T_, hd)).astype(np.float32)))
-    v = mx.array(rng.standard_normal((B, H, T_, hd)).astype(np.float32))
-    return q, k, v
-
-
-@pytest.mark.parametrize("T_,chunk", [(32, 8), (32, 32), (37, 16), (5, 64)])
-def test_chunked_gdn_matches_recurrence(T_, chunk):
-    q, k, v = _rand_qkv(2, 3, T_, 16)
-    a = mx.array([0.5, 0.9, 0.999])
-    b = mx.array([0.2, 0.7, 1.0])
-    o_ref, S_ref = tm.gdn_recurrent(q, k, v, a, b)
-    o, S = tm.gdn_chunked(q, k, v, a, b, chunk=chunk)
-    assert float(mx.abs(o_ref).max()) > 0.05
-    assert float(mx.abs(o - o_ref).max()) < 1e-5
-    if T_ % min(chunk, T_) == 0:
-        assert float(mx.abs(S - S_ref).max()) < 1e-5
-    else:
-        assert S is None
-
-
-def test_chunked_gdn_gradients_match_recurrence():
-    q, k, v = _rand_qkv(1, 2, 24, 8, seed=3)
-    a = mx.array([0.8, 0.97])
-    b = mx.array([0.6, 0.9])
-    w = mx.array(np.random.default_rng(1).standard_normal((1, 2, 24, 8)).astype(np.float32))
-
-    def f(fn, **kw):
-        return lambda q, k, v, a, b: mx.sum(fn(q, k, v, a, b, **kw)[0] * w)
-    g_ref = mx.grad(f(tm.gdn_recurrent), argnums=(0, 1, 2, 3, 4))(q, k, v, a, b)
-    g = mx.grad(f(tm.gdn_chunked, chunk=8), argnums=(0, 1, 2, 3, 4))(q, k, v, a, b)
-    for x, y in zip(g_ref, g):
-        assert float(mx.abs(x - y).max()) < 1e-4 * max(1.0, float(mx.abs(x).max()))
-
-
-def test_training_forward_matches_reference_and_model():
-    from reference import forward_reference
-    from spel_mlx.model import SpelModel
-    params = tm.init_params(TINY, seed=5)
-    w = {n: np.array(a) for n, a in params.items()}
-    toks = np.random.default_rng(2).integers(0, TINY.vocab, 40)
-    model = SpelModel.from_weights(TINY, w)
-    for stack in ("target", "draft"):
-        got = np.array(tm.forward(params, mx.array(toks[None].astype(np.int32)), TINY, stack, chunk=16))[0]
-        ref = forward_reference(TINY, w, toks, stack=stack)
-        assert np.abs(ref).max() > 0.5
-        assert np.abs(got - ref).max() < 1e-4
-        st = model.new_state(stack, ring=TINY.spec_k + 1)
-        dec = []
-        for i in range(0, len(toks), 5):
-            dec.append(np.array(model.forward(toks[i:i + 5], st, stack=stack)))
-            st.commit(5)
-        assert np.abs(got - np.concatenate(dec)).max() < 1e-4
-
-
-def test_fake_quant_matches_numpy_reference():
-    rng = np.random.default_rng(0)
-    w = (rng.standard_normal((48, 200)) * rng.uniform(0.01, 2.0, (48, 1))).astype(np.float32)
-    w[3] = 0.0                                        # an all-zero row keeps zeros
-    q8, s8 = quant.quantize_q8(w)
-    got = np.array(tm.fq_q8_rows(mx.array(w)))
-    assert np.array_equal(got, quant.dequantize(q8, s8))
-    t, st = quant.quantize_ternary(w)
-    qm, sm = tm.ternary_scale_codes(mx.array(w))
-    assert np.array_equal(np.array(qm).astype(np.int8), t)
-    assert np.allclose(np.array(sm)[:, 0], st, rtol=2e-6, atol=0)
-    x = (rng.standard_normal((7, 200)) * 3).astype(np.float32)
-    x[2] = 0.0
-    xq, sx = quant.quantize_activation(x)
-    assert np.array_equal(np.array(tm.fq_act(mx.array(x))), quant.dequantize(xq, sx))
-
-
-def test_fake_quant_draft_matches_quantized_gemv():
-    """A QAT linear equals the reference integer GEMV (s_r*s_x*sum q x_q) to float rounding."""
-    rng = np.random.default_rng(4)
-    w = rng.standard_normal((24, 64)).astype(np.float32)
-    x = rng.standard_normal(64).astype(np.float32)
-    for kind in ("q8", "ternary"):
-        got = np.array(tm._linear(mx.array(x[None]), mx.array(w), kind))[0]
-        if kind == "q8":
-            ref = quant.gemv_q8_ref(*quant.quantize_q8(w), x)
-        else:
-            ref = quant.gemv_ternary_ref(*quant.quantize_ternary(w), x)
-        assert np.abs(got - ref).max() < 1e-4 * np.abs(ref).max()
-
-
-def test_straight_through_gradient():
-    w = mx.array(np.random.default_rng(1).standard_normal((8, 16)).astype(np.float32))
-    x = mx.array(np.random.default_rng(2).standard_normal((3, 16)).astype(np.float32))
-    g = mx.grad(lambda w: mx.sum(tm._linear(x, w, "ternary")))(w)
-    g_plain = mx.grad(lambda w: mx.sum(tm._linear(tm.fq_act(x), w, None)))(w)
-    assert float(mx.abs(g - g_plain).max()) < 1e-5   # d/dw passes through the quantizer
-    assert float(mx.abs(g).max()) > 0
 
 
 # --- training runs on synthetic text ------------------------------------------
@@ -184,7 +86,7 @@ def test_batches_depend_only_on_seed_and_step():
 def test_draft_distillation(tmp_path, target_run, data_dir):
     trun, _ = target_run
     _, cfg, tparams, _, _ = runs.load_checkpoint_dir(trun)
-    init = tm.copy_target_to_draft(cfg, dict(tparams))
+    init = copy_target_to_draft(cfg, dict(tparams))
     assert np.array_equal(np.array(init["draft.layers.1.mixer.wqkv.weight"]),
                           np.array(tparams["layers.1.mixer.wqkv.weight"]))
     run = str(tmp_path / "draft")
@@ -232,7 +134,7 @@ def test_onpolicy_windows_and_mixture(tmp_path, target_run, data_dir):
     d2p = runs.load_checkpoint_dir(d2)[2]
     n = "draft.layers.1.mixer.wqkv.weight"
     assert np.array_equal(np.array(d1p[n]), np.array(d2p[n]))
-    fresh = tm.copy_target_to_draft(cfg, dict(params))[n]   # what a target init would give
+    fresh = copy_target_to_draft(cfg, dict(params))[n]   # what a target init would give
     assert not np.array_equal(np.array(d1p[n]), np.array(fresh))
     with pytest.raises(config.TrainError, match="onpolicy data is for draft"):
         loop.train(str(tmp_path / "bad"), TINY, _tc(data_dir, onpolicy=out), tokenizer=ByteTokenizer(), quiet=True)
@@ -285,7 +187,7 @@ def test_controller_schedule_plateau_and_spikes():
 
 def test_spike_skips_update_in_graph():
     tc = config.TrainConfig(batch=2, seq=16, chunk=16)
-    params = tm.init_params(TINY, seed=1)
+    params = init_params(TINY, seed=1)
     names = [n for n in params if not n.startswith("draft.")]
     tr = {n: params[n] for n in names}
     fr = {n: params[n] for n in params if n not in tr}

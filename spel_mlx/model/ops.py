@@ -2,7 +2,7 @@
 
 ``MLXOps`` is the interface and its plain-MLX implementation.  The fused CPU
 primitives (``cpu_ops.CPUFusedOps``), the Metal kernels (``metal_ops``) and the
-training forward's ops (``training.TrainingOps``) subclass it and override what
+training forward's ops (``training_ops.TrainingOps``) subclass it and override what
 they implement; the layers call only these methods.  Arrays are float32 and
 token-major: x [M, d], q/k/v [M, H, hd] (training adds a leading batch axis).
 Methods must work inside ``mx.compile`` unless ``requires_eager`` is True.

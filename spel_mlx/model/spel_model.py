@@ -12,7 +12,7 @@ import numpy as np
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx.utils import tree_flatten
+from mlx.utils import tree_flatten, tree_unflatten
 
 from .. import layout
 from ..config import ModelConfig
@@ -21,7 +21,7 @@ from .backends import auto_ops
 from .layers import Block, DraftStack, RMSNorm
 from .linear import Linear, row_block
 from .passes import run_pass
-from .training import TrainingOps
+from .training_ops import TrainingOps
 
 
 class SpelModel(nn.Module):
@@ -110,10 +110,14 @@ class SpelModel(nn.Module):
             x = blk(x, cache, ops)
         return ops.linear(ops.rms_norm(x, self.final_norm.weight, self.final_norm.eps), self.lm_head)
 
-    def batch_logits(self, tokens, stack: str = "target", fake_quant: bool = False, chunk: int = 64):
+    def batch_logits(self, tokens, stack: str = "target", fake_quant: bool = False, chunk: int = 64,
+                     params: dict | None = None):
         """logits [B, T, V] of tokens [B, T] from the zero state: the training forward.
         ``fake_quant``: the draft's linears with SPEC 3 fake quantization (QAT);
-        ``chunk``: tokens per closed-form block of the delta rule."""
+        ``chunk``: tokens per closed-form block of the delta rule; ``params``: a flat
+        ``{name: array}`` dict loaded first (what a compiled training step traces)."""
+        if params is not None:
+            self.update(tree_unflatten(list(params.items())))
         layers = self.stack_layers(stack)
         return self.stack_logits(tokens, layers, [None] * len(layers), TrainingOps(fake_quant, chunk))
 

@@ -14,8 +14,8 @@ import mlx.core as mx
 import numpy as np
 
 from .. import layout
-from .. import train_model as tm
 from ..config import ModelConfig
+from ..model import copy_target_to_draft, init_params
 from .config import TrainConfig, TrainError
 from .data import batch_at, eval_windows, load_onpolicy_rows, load_tokens, mix_onpolicy
 from .runs import RunLog, has_checkpoint, load_checkpoint_dir, lock_run, save_checkpoint
@@ -46,7 +46,7 @@ def _initial_params(cfg: ModelConfig | None, tc: TrainConfig):
     if tc.mode != "draft":
         if cfg is None:
             raise TrainError("target mode needs a model config")
-        return cfg, tm.init_params(cfg, tc.seed)
+        return cfg, init_params(cfg, tc.seed)
     if not tc.init:
         raise TrainError("draft mode needs --init RUN_DIR (a trained target run)")
     state_t, cfg_t, params_t, _, _ = load_checkpoint_dir(tc.init)
@@ -55,7 +55,7 @@ def _initial_params(cfg: ModelConfig | None, tc: TrainConfig):
     # from a target run: draft layers start as copies of target layers; from
     # a draft run: its distilled draft is trained further (e.g. on-policy)
     params = dict(params_t) if state_t["train"]["mode"] == "draft" else \
-        tm.copy_target_to_draft(cfg_t, dict(params_t))
+        copy_target_to_draft(cfg_t, dict(params_t))
     return cfg_t, params
 
 

@@ -18,7 +18,6 @@ import tempfile
 import mlx.core as mx
 import numpy as np
 
-from .. import train_model as tm
 from .._cli import guarded
 from ..atomic import write_json
 from ..checkpoints.load import DEFAULT_DIR
@@ -31,6 +30,7 @@ SAMPLE_PROMPTS = ("It is a truth universally acknowledged, that",
 
 def heldout_eval(ckpt_path: str, data_dir: str, seq: int = 256, max_tokens: int = 0, chunk: int = 64) -> dict:
     from ..checkpoints import load_checkpoint
+    from ..model import SpelModel
     from ..tokenizer import load_tokenizer
     ck = load_checkpoint(ckpt_path)
     cfg = ck.cfg
@@ -40,12 +40,12 @@ def heldout_eval(ckpt_path: str, data_dir: str, seq: int = 256, max_tokens: int 
     ids = np.asarray(tok.encode(text), dtype=np.int32)
     x, y = eval_windows(ids, seq, max_tokens or len(ids))
     n = len(x)
-    p = {k: mx.array(np.asarray(v, dtype=np.float32)) for k, v in ck.weights.items()}
+    model = SpelModel.from_weights(cfg, ck.weights)
 
     @mx.compile
     def ev(xb, yb):
-        tl = tm.forward(p, xb, cfg, "target", chunk=chunk)
-        dl = tm.forward(p, xb, cfg, "draft", quant=True, chunk=chunk)
+        tl = model.batch_logits(xb, "target", chunk=chunk)
+        dl = model.batch_logits(xb, "draft", fake_quant=True, chunk=chunk)
         tls = tl - mx.logsumexp(tl, axis=-1, keepdims=True)
         dls = dl - mx.logsumexp(dl, axis=-1, keepdims=True)
         t_nll = -mx.sum(mx.take_along_axis(tls, yb[..., None], axis=-1))

@@ -3,9 +3,30 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from .. import train_model as tm
 from ..config import ModelConfig
+from ..model import SpelModel
 from .config import TrainConfig
+
+
+def cross_entropy(logits, targets):
+    """mean next-token NLL in nats."""
+    lse = mx.logsumexp(logits, axis=-1)
+    picked = mx.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
+    return mx.mean(lse - picked)
+
+
+def kl_target_draft(t_logits, d_logits):
+    """mean KL(target || draft) per position, in nats."""
+    tl = t_logits - mx.logsumexp(t_logits, axis=-1, keepdims=True)
+    dl = d_logits - mx.logsumexp(d_logits, axis=-1, keepdims=True)
+    return mx.mean(mx.sum(mx.exp(tl) * (tl - dl), axis=-1))
+
+
+def _forward(cfg: ModelConfig, chunk: int):
+    """(params, tokens, stack) -> logits: the model's training forward over a flat
+    params dict; the draft runs with SPEC 3 fake quantization (QAT)."""
+    model = SpelModel(cfg)
+    return lambda p, x, stack: model.batch_logits(x, stack, fake_quant=stack == "draft", chunk=chunk, params=p)
 
 
 def _decay_mask(name: str) -> bool:
@@ -17,17 +38,16 @@ def make_step(cfg: ModelConfig, tc: TrainConfig, trainable_names: list):
     (loss, gnorm, ok, trainable', m', v').  The update is skipped in-graph when
     the gradient norm is non-finite or above `spike`."""
     b1, b2, eps, wd, clip = tc.beta1, tc.beta2, tc.adam_eps, tc.weight_decay, tc.clip
-    chunk = tc.chunk
+    forward = _forward(cfg, tc.chunk)
 
     if tc.mode == "target":
         def loss_fn(train, frozen, x, y):
-            return tm.cross_entropy(tm.forward({**frozen, **train}, x, cfg, "target", chunk=chunk), y)
+            return cross_entropy(forward({**frozen, **train}, x, "target"), y)
     else:
         def loss_fn(train, frozen, x, y):
             p = {**frozen, **train}
-            t_logits = mx.stop_gradient(tm.forward(p, x, cfg, "target", chunk=chunk))
-            d_logits = tm.forward(p, x, cfg, "draft", quant=True, chunk=chunk)
-            return tm.kl_target_draft(t_logits, d_logits)
+            t_logits = mx.stop_gradient(forward(p, x, "target"))
+            return kl_target_draft(t_logits, forward(p, x, "draft"))
 
     vg = mx.value_and_grad(loss_fn)
 
@@ -57,19 +77,19 @@ def make_step(cfg: ModelConfig, tc: TrainConfig, trainable_names: list):
 
 def make_eval(cfg: ModelConfig, tc: TrainConfig):
     """Compiled held-out evaluation: (params, x, y) -> (sum NLL, [KL sum, agree count])."""
-    chunk = tc.chunk
+    forward = _forward(cfg, tc.chunk)
 
     def ev(p, x, y):
         if tc.mode == "target":
-            lg = tm.forward(p, x, cfg, "target", chunk=chunk)
+            lg = forward(p, x, "target")
             lse = mx.logsumexp(lg, axis=-1)
             nll = lse - mx.take_along_axis(lg, y[..., None], axis=-1)[..., 0]
             return mx.sum(nll), mx.array(0.0), mx.array(0.0)
-        tl = tm.forward(p, x, cfg, "target", chunk=chunk)
-        dl = tm.forward(p, x, cfg, "draft", quant=True, chunk=chunk)
+        tl = forward(p, x, "target")
+        dl = forward(p, x, "draft")
         lse = mx.logsumexp(dl, axis=-1)
         nll = lse - mx.take_along_axis(dl, y[..., None], axis=-1)[..., 0]
-        kl = tm.kl_target_draft(tl, dl) * tl.shape[0] * tl.shape[1]
+        kl = kl_target_draft(tl, dl) * tl.shape[0] * tl.shape[1]
         agree = mx.sum(mx.argmax(tl, axis=-1) == mx.argmax(dl, axis=-1))
         return mx.sum(nll), kl, agree
 
