@@ -5,4 +5,13 @@ from ._blas import blas_info, ensure_blas, set_blas_threads
 ensure_blas()  # must run before anything imports mlx.core
 
 __version__ = "0.1.0"
-__all__ = ["blas_info", "ensure_blas", "set_blas_threads", "__version__"]
+_API = ("load", "generate", "stream_generate")
+__all__ = ["blas_info", "ensure_blas", "set_blas_threads", "__version__", *_API]
+
+
+def __getattr__(name):
+    # the generation API on first use, so `import spel_mlx` stays cheap
+    if name in _API:
+        from . import api
+        return getattr(api, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

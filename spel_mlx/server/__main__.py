@@ -1,0 +1,81 @@
+"""``python -m spel_mlx.server``: an OpenAI-compatible HTTP server and a live page.
+
+    python -m spel_mlx.server                          # the shipped model on 127.0.0.1:8080
+    python -m spel_mlx.server --model m.spelw --port 8000 --api-key SECRET
+
+Needs the `server` extra (`pip install -e '.[server]'`).  See docs/server.md.
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="python -m spel_mlx.server",
+                                 description="OpenAI-compatible server for a spel-mlx model, with a live page at /.")
+    ap.add_argument("--model", help="SPELW001 file or safetensors folder (default: SPEL_WEIGHTS, else the shipped model)")
+    ap.add_argument("--tokenizer", help="SentencePiece model (default: beside the checkpoint, else the shipped one)")
+    ap.add_argument("--model-id", help="the model's name in responses (default: spel-mlx-<folder or file name>)")
+    ap.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
+    ap.add_argument("--port", type=int, default=8080)
+    ap.add_argument("--api-key", default=os.environ.get("SPEL_API_KEY") or None,
+                    help="require 'Authorization: Bearer KEY' on /v1/* (default: SPEL_API_KEY, else none)")
+    ap.add_argument("--queue-size", type=int, default=8,
+                    help="requests that may wait behind the running one; more get 429 (default 8)")
+    ap.add_argument("--mode", choices=("spec", "ar", "governed"), default="spec", help="default decoding mode")
+    ap.add_argument("--draft", choices=("c", "mlx", "ngram", "auto"), default=None,
+                    help="default draft (default: c when built, else mlx)")
+    ap.add_argument("--spec-k", type=int, default=None, help="default proposals per round, 1..16")
+    ap.add_argument("--draft-threads", type=int, default=None, help="C draft worker threads 1..6")
+    ap.add_argument("--no-warmup", action="store_true", help="skip the short warm-up generation at start")
+    ap.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
+    return ap
+
+
+def model_name(source: str) -> str:
+    base = os.path.basename(os.path.normpath(source))
+    return "spel-mlx-" + (os.path.splitext(base)[0] if os.path.isfile(source) else base)
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        import uvicorn
+
+        from .app import create_app
+    except ImportError as e:
+        print(f"error: the server needs FastAPI and uvicorn ({e}); install with pip install -e '.[server]'",
+              file=sys.stderr)
+        return 2
+    from ..api import GenerationError, LoadError, NoCheckpointError, load, prepare
+
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    if not 1 <= args.queue_size <= 4096:
+        print(f"error: --queue-size {args.queue_size}: must be in 1..4096", file=sys.stderr)
+        return 2
+    try:
+        loaded, tokenizer = load(args.model, tokenizer=args.tokenizer)
+    except NoCheckpointError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    except LoadError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    defaults = {"mode": args.mode, "draft": args.draft, "k": args.spec_k, "draft_threads": args.draft_threads}
+    try:
+        prepare(loaded, tokenizer, [0], 1, **defaults)        # the defaults are valid settings
+    except GenerationError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    app = create_app(loaded, tokenizer, model_id=args.model_id or model_name(loaded.source),
+                     api_key=args.api_key, queue_size=args.queue_size, defaults=defaults,
+                     warmup=not args.no_warmup)
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=3)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,169 @@
+"""The Python API (spel_mlx.load / generate / stream_generate): the same tokens as the
+engine, per-round origins that add up to the engine's counts, stop strings, seeds,
+errors that name the parameter, cancellation, and one generation at a time."""
+import subprocess
+import sys
+import threading
+
+import pytest
+
+import spel_mlx
+from spel_mlx import speculative as sp
+from spel_mlx.api import GenerationError, LoadError, load, prepare
+from spel_mlx.api.text import Detokenizer, StopStrings
+
+PROMPT = "Elizabeth was"
+
+
+@pytest.fixture(scope="module")
+def shipped():
+    model, tok = load()
+    yield model, tok
+    model.close()
+
+
+def engine_tokens(model, tok, prompt, n, mode="ar"):
+    draft = None if mode == "ar" else sp.make_draft("mlx", model.model, k=4)
+    dec = sp.SpeculativeDecoder(model.model, draft, mode, k=4)
+    return dec.generate(tok.encode(prompt), n)
+
+
+def test_import_is_cheap_and_exports_lazily():
+    code = ("import sys, spel_mlx; assert 'spel_mlx.api' not in sys.modules and 'mlx.core' not in sys.modules; "
+            "assert spel_mlx.generate.__module__ == 'spel_mlx.api.generation'; "
+            "assert set(spel_mlx.__all__) >= {'load', 'generate', 'stream_generate'}; print('ok')")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.stdout.strip() == "ok", out.stderr
+    with pytest.raises(AttributeError):
+        spel_mlx.no_such_name
+
+
+def test_greedy_text_is_the_engines(shipped):
+    model, tok = shipped
+    want = engine_tokens(model, tok, PROMPT, 40)
+    for opts in ({"mode": "ar"}, {}, {"draft": "mlx"}, {"draft": "ngram", "k": 6}, {"mode": "governed"}):
+        responses = list(spel_mlx.stream_generate(model, tok, PROMPT, 40, temperature=0, **opts))
+        tokens = [t for r in responses for t in r.tokens]
+        assert tokens == want, opts
+        text = "".join(r.text for r in responses)
+        assert text == "".join(t for r in responses for t in r.token_text)
+        assert spel_mlx.generate(model, tok, PROMPT, 40, temperature=0, **opts) == text
+        full, head = tok.decode(tok.encode(PROMPT) + want), tok.decode(tok.encode(PROMPT))
+        assert full == head + text
+
+
+def test_rounds_report_draft_and_correction(shipped):
+    model, tok = shipped
+    responses = list(spel_mlx.stream_generate(model, tok, PROMPT, 60, temperature=0))
+    *rounds, last = responses
+    st = last.stats
+    assert last.finish_reason == "length" and st["stop_reason"] == "max_tokens" and st["tokens"] == 60
+    assert len(rounds) == st["rounds"] and last.round == st["rounds"]
+    assert sum(r.proposed for r in rounds) == st["proposed"]
+    assert sum(sum(r.from_draft) for r in rounds) == st["accepted"] > 0
+    for r in rounds:   # accepted proposals first, then the target's token
+        a = sum(r.from_draft)
+        assert r.from_draft == [True] * a + [False] and a <= r.proposed
+    assert [r.generation_tokens for r in rounds] == list(
+        __import__("itertools").accumulate(len(r.tokens) for r in rounds))
+    assert last.alpha == pytest.approx(st["alpha"], abs=1e-4) and last.tok_s > 0
+    ar = list(spel_mlx.stream_generate(model, tok, PROMPT, 5, temperature=0, mode="ar"))
+    assert [r.from_draft for r in ar[:-1]] == [[False]] * 5 and ar[-1].stats["proposed"] == 0
+    # the oracle (the target as its own draft, strict) has every proposal accepted
+    oracle = list(spel_mlx.stream_generate(model, tok, PROMPT, 21, temperature=0, mode="oracle", strict=True))
+    assert [r.from_draft for r in oracle[:-1]] == [[True] * 4 + [False]] * 4 + [[False]]
+
+
+def test_seed_reproducible(shipped):
+    model, tok = shipped
+    a = spel_mlx.generate(model, tok, PROMPT, 40, seed=3)
+    assert spel_mlx.generate(model, tok, PROMPT, 40, seed=3) == a
+    assert spel_mlx.generate(model, tok, PROMPT, 40, seed=4) != a
+
+
+def test_stop_strings_end_the_text(shipped):
+    model, tok = shipped
+    full = spel_mlx.generate(model, tok, PROMPT, 40, temperature=0)
+    for stop in (full[7:10], full[-3:], full[:2]):
+        cut = full[:full.index(stop)]
+        responses = list(spel_mlx.stream_generate(model, tok, PROMPT, 40, temperature=0, stop=["@@", stop]))
+        assert "".join(r.text for r in responses) == cut
+        assert responses[-1].finish_reason == "stop" and responses[-1].stats["stop_reason"] == "stop_string"
+        assert responses[-1].generation_tokens == responses[-1].stats["tokens"] < 40
+
+
+def test_stop_strings_unit():
+    s = StopStrings(["END", "xy"])
+    assert s.feed([[1, "ab", True], [2, "cE", False]]) == [[1, "ab", True]]    # "cE" may start END
+    assert s.feed([[3, "N", True]]) == []                                       # "EN" still may
+    assert s.feed([[4, "Dzz", False]]) == [[2, "c", False]] and s.hit           # cut inside a piece
+    assert s.feed([[5, "more", False]]) == [] and s.flush() == []
+    s = StopStrings(["xy"])
+    assert s.feed([[1, "ax", False]]) == [] and s.flush() == [[1, "ax", False]]
+    s = StopStrings([])
+    assert s.feed([[1, "END", False]]) == [[1, "END", False]]
+
+
+def test_detokenizer_pieces_add_up(shipped):
+    _, tok = shipped
+    text = "She said: “naïve café — déjà vu”, 3½ times."
+    ids = tok.encode(text)
+    d = Detokenizer(tok, [])
+    pieces = [d.push(t) for t in ids]
+    assert "".join(pieces) + d.flush() == tok.decode(ids)
+    assert "" in pieces            # a multi-byte character spread over byte tokens waits for its last byte
+
+
+@pytest.mark.parametrize("kwargs,param", [
+    ({"temperature": -1}, "temperature"), ({"top_p": 0}, "top_p"), ({"top_k": -1}, "top_k"),
+    ({"repetition_penalty": 0}, "repetition_penalty"), ({"seed": -2}, "seed"), ({"k": 0}, "k"),
+    ({"k": 17}, "k"), ({"mode": "fast"}, "mode"), ({"draft": "big"}, "draft"), ({"draft_threads": 9}, "draft_threads"),
+    ({"draft_ahead": "maybe"}, "draft_ahead"), ({"max_tokens": -1}, "max_tokens"), ({"stop": [""]}, "stop"),
+    ({"prompt": ""}, "prompt"), ({"prompt": "a " * 5000}, "prompt"), ({"prompt": [5000]}, "prompt"),
+    ({"mode": "forced"}, "forced_alpha"),
+])
+def test_bad_arguments_name_the_parameter(shipped, kwargs, param):
+    model, tok = shipped
+    kwargs = {"prompt": PROMPT, **kwargs}
+    with pytest.raises(GenerationError) as e:
+        prepare(model, tok, **kwargs)
+    assert e.value.param == param, str(e.value)
+
+
+def test_load_errors(tmp_path):
+    with pytest.raises(LoadError, match="checkpoint.*no such file"):
+        load(tmp_path / "missing.spelw")
+    bad = tmp_path / "bad.spelw"
+    bad.write_bytes(b"SPELW001" + b"\0" * 10)
+    with pytest.raises(LoadError, match="checkpoint"):
+        load(bad)
+    with pytest.raises(LoadError, match="config"):
+        load(None, config="d_model=64")
+
+
+def test_cancel_between_rounds(shipped):
+    model, tok = shipped
+    seen = []
+    last = prepare(model, tok, PROMPT, 3000, temperature=0).run(
+        on_response=seen.append, should_stop=lambda: len(seen) >= 3)
+    assert last.finish_reason == "cancelled" and last.stats["stop_reason"] == "cancelled"
+    assert last.round == 3 and len(seen) == 4
+    req = prepare(model, tok, PROMPT, 3000, temperature=0)
+    stream = req.stream()
+    first = [next(stream), next(stream)]
+    stream.close()                   # returns once the decoding let go of the model
+    assert not model.lock.locked() and req.stats["stop_reason"] == "cancelled"
+    assert first[1].generation_tokens <= req.stats["tokens"] < 3000
+
+
+def test_one_generation_at_a_time(shipped):
+    model, tok = shipped
+    want = {s: spel_mlx.generate(model, tok, PROMPT, 48, seed=s) for s in (1, 2, 3, 4)}
+    got = {}
+    threads = [threading.Thread(target=lambda s=s: got.__setitem__(s, spel_mlx.generate(model, tok, PROMPT, 48, seed=s)))
+               for s in want]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert got == want
