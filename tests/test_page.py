@@ -17,21 +17,22 @@ DRIVER = shutil.which("chromedriver")
 PROMPT = "It is a truth universally acknowledged, that"
 
 
-def _missing():
+def _missing(browser: bool):
     try:
         import fastapi  # noqa: F401
-        import selenium  # noqa: F401
         import uvicorn  # noqa: F401
+        if browser:
+            import selenium  # noqa: F401
     except ImportError as e:
         return f"the page test needs the server and dev extras ({e}): pip install -e '.[dev,server]'"
-    if not (CHROMIUM and DRIVER):
+    if browser and not (CHROMIUM and DRIVER):
         return "chromium and chromedriver not installed (apt-get install chromium chromium-driver)"
     return None
 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    require_or_skip(_missing() is None, _missing(), env="SPEL_REQUIRE_SERVER")
+    require_or_skip(_missing(False) is None, _missing(False), env="SPEL_REQUIRE_SERVER")
     from bench.server_load import LiveServer
     srv = LiveServer("--api-key", "page-key", log_dir=tmp_path_factory.mktemp("page"))
     yield srv
@@ -40,6 +41,7 @@ def server(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def browser(server, tmp_path_factory):
+    require_or_skip(_missing(True) is None, _missing(True), env="SPEL_REQUIRE_SERVER")
     from selenium import webdriver
     from selenium.webdriver.chrome.service import Service
     opts = webdriver.ChromeOptions()

@@ -144,7 +144,8 @@ def test_seed_reproducible(client):
 
 @pytest.mark.parametrize("kwargs,param", [
     ({"temperature": -1}, "temperature"), ({"top_p": 0}, "top_p"), ({"max_tokens": -5}, "max_tokens"),
-    ({"seed": -1}, "seed"), ({"stop": ["a", "b", "c", "d", "e"]}, "stop"), ({"n": 2}, "n"),
+    ({"seed": -1}, "seed"), ({"stop": ["a", "b", "c", "d", "e"]}, "stop"), ({"stop": "x" * 300}, "stop"),
+    ({"n": 2}, "n"),
     ({"extra_body": {"repetition_penalty": 0}}, "repetition_penalty"),
     ({"extra_body": {"mode": "fast"}}, "mode"), ({"extra_body": {"k": 17}}, "k"),
     ({"extra_body": {"bogus": 1}}, "bogus"), ({"prompt": "a " * 5000}, "prompt"), ({"prompt": ""}, "prompt"),
@@ -170,6 +171,13 @@ def test_bad_chat_and_json_are_400(server, client):
         conn.close()
         assert resp.status == 400 and err["type"] == "invalid_request_error", body
         assert err["message"]
+
+
+def test_oversized_body_is_413(server):
+    conn, resp = raw_request(server, "/v1/completions", b'{"prompt": "' + b"a" * (2 << 20) + b'"}')
+    assert resp.status == 413 and json.loads(resp.read())["error"]["message"].startswith("the body is larger")
+    conn.close()
+    assert server.alive()
 
 
 def test_api_key(server):

@@ -6,9 +6,8 @@ import threading
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
-from ..checkpoint import default_checkpoint_dir, load_checkpoint
+from ..checkpoints import CheckpointError, default_checkpoint_dir, load_checkpoint
 from ..config import ConfigError, ModelConfig, resolve_config
-from ..spelw import CheckpointError
 from ..tokenizer import TokenizerError, load_tokenizer
 
 

@@ -19,11 +19,27 @@ from . import protocol
 from .worker import END, DecodeWorker, Job, QueueFull
 
 STATIC = Path(__file__).resolve().parent / "static"
+MAX_BODY = 1 << 20       # bytes; a max_seq prompt is a few dozen kB
 log = logging.getLogger("spel_mlx.server")
 
 
 def _error(e: protocol.ApiError) -> JSONResponse:
     return JSONResponse(e.body(), status_code=e.status)
+
+
+async def _body(request: Request) -> bytes:
+    """The request body, refused past MAX_BODY before it is all read."""
+    too_big = protocol.ApiError(413, f"the body is larger than {MAX_BODY} bytes")
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > MAX_BODY:
+        raise too_big
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > MAX_BODY:
+            raise too_big
+        chunks.append(chunk)
+    return b"".join(chunks)
 
 
 class JobResponse(Response):
@@ -138,7 +154,7 @@ def create_app(loaded, tokenizer, *, model_id: str, api_key: str | None = None, 
 
     async def serve(request: Request, chat: bool):
         authorize(request)
-        body = protocol.parse_json(await request.body())
+        body = protocol.parse_json(await _body(request))
         req = (protocol.chat_request if chat else protocol.completion_request)(body, max_tokens_limit)
         try:
             api_request = prepare(loaded, tokenizer, req["prompt"], **{**defaults, **req["options"]})

@@ -15,6 +15,7 @@ from ..api import DEFAULT_MAX_TOKENS, DEFAULT_TEMPERATURE, DEFAULT_TOP_P
 CHAT_ROLES = {"system": None, "user": "User", "assistant": "Assistant"}
 CHAT_STOP = "\nUser:"
 MAX_STOPS = 4
+MAX_STOP_CHARS = 256
 MODES = ("spec", "ar", "governed")
 DRAFTS = ("c", "mlx", "ngram", "auto")
 # OpenAI fields accepted only at the value that means "off"
@@ -87,8 +88,8 @@ def _stops(body, extra=()):
     stops = [] if v is None else [v] if isinstance(v, str) else v
     if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops):
         raise bad("stop", "a string or a list of non-empty strings")
-    if len(stops) > MAX_STOPS:
-        raise bad("stop", f"at most {MAX_STOPS} strings")
+    if len(stops) > MAX_STOPS or any(len(s) > MAX_STOP_CHARS for s in stops):
+        raise bad("stop", f"at most {MAX_STOPS} strings of at most {MAX_STOP_CHARS} characters")
     return stops + list(extra)
 
 

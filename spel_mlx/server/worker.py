@@ -102,7 +102,11 @@ class DecodeWorker:
             except Exception:
                 log.exception("warm-up failed")
         while (job := self.jobs.get()) is not None:
-            self._run(job)
+            try:
+                self._run(job)
+            except Exception:                # bookkeeping failed: the thread must go on
+                log.exception("request %s: the worker recovered from an error", job.id)
+                job.emit(END)
         self.loaded.close()
         self._closed.set()
         # This thread never ends: MLX frees its per-thread compiled graphs when a thread
