@@ -142,9 +142,9 @@ class DecodeWorker:
                     record["reason"] = job.why or "cancelled"
                     if job.cancelled_at is not None:
                         record["stopped_after_cancel_s"] = round(done - job.cancelled_at, 4)
-        job.emit(END)
-        self.counts[status] += 1
+        self.counts[status] += 1           # counted before the client hears the end
         self.recent.append(record)
+        job.emit(END)
         if status == "cancelled":
             log.info("request %s cancelled (%s) after %s tokens", job.id, record.get("reason"),
                      record.get("tokens", 0))
