@@ -1,5 +1,8 @@
 """spel-mlx: low-bit speculative decoding and episodic memory for a hybrid
 Gated-DeltaNet + attention language model, on MLX."""
+import sys
+import types
+
 from ._blas import blas_info, ensure_blas, set_blas_threads
 
 ensure_blas()  # must run before anything imports mlx.core
@@ -15,3 +18,15 @@ def __getattr__(name):
         from . import api
         return getattr(api, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+class _Package(types.ModuleType):
+    def __setattr__(self, name, value):
+        # `spel_mlx.generate` is the API function and also the command module of
+        # `python -m spel_mlx.generate`: importing the module must not rebind the name
+        if name in _API and isinstance(value, types.ModuleType):
+            return
+        super().__setattr__(name, value)
+
+
+sys.modules[__name__].__class__ = _Package

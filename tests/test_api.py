@@ -31,7 +31,9 @@ def engine_tokens(model, tok, prompt, n, mode="ar"):
 def test_import_is_cheap_and_exports_lazily():
     code = ("import sys, spel_mlx; assert 'spel_mlx.api' not in sys.modules and 'mlx.core' not in sys.modules; "
             "assert spel_mlx.generate.__module__ == 'spel_mlx.api.generation'; "
-            "assert set(spel_mlx.__all__) >= {'load', 'generate', 'stream_generate'}; print('ok')")
+            "assert set(spel_mlx.__all__) >= {'load', 'generate', 'stream_generate'}; "
+            "import importlib; cli = importlib.import_module('spel_mlx.generate'); "
+            "assert callable(cli.main) and spel_mlx.generate.__module__ == 'spel_mlx.api.generation'; print('ok')")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.stdout.strip() == "ok", out.stderr
     with pytest.raises(AttributeError):

@@ -4,6 +4,7 @@ A tiny random checkpoint is written to tmp.  Most cases call `generate.run`
 in-process (fast); a few run the real CLI in a subprocess to prove there is no
 traceback and that SIGINT stops cleanly with statistics.
 """
+import importlib
 import io
 import json
 import os
@@ -16,7 +17,7 @@ import numpy as np
 import pytest
 
 import spel_mlx  # noqa: F401
-from spel_mlx import generate as gen
+gen = importlib.import_module("spel_mlx.generate")   # the command module (spel_mlx.generate is the API function)
 
 TINY = "d_model=32,n_layers=4,n_heads=2,head_dim=16,d_ff=64,vocab=128,max_seq=96,draft_map=0:3"
 
