@@ -8,7 +8,7 @@ import threading
 import pytest
 
 import spel_mlx
-from spel_mlx import speculative as sp
+from spel_mlx.decoding import SpeculativeDecoder
 from spel_mlx.api import GenerationError, LoadError, load, prepare
 from spel_mlx.api.text import Detokenizer, StopStrings
 
@@ -22,10 +22,8 @@ def shipped():
     model.close()
 
 
-def engine_tokens(model, tok, prompt, n, mode="ar"):
-    draft = None if mode == "ar" else sp.make_draft("mlx", model.model, k=4)
-    dec = sp.SpeculativeDecoder(model.model, draft, mode, k=4)
-    return dec.generate(tok.encode(prompt), n)
+def ar_tokens(model, tok, prompt, n):
+    return SpeculativeDecoder(model.model, None, "ar", k=4).generate(tok.encode(prompt), n)
 
 
 def test_import_is_cheap_and_exports_lazily():
@@ -42,7 +40,7 @@ def test_import_is_cheap_and_exports_lazily():
 
 def test_greedy_text_is_the_engines(shipped):
     model, tok = shipped
-    want = engine_tokens(model, tok, PROMPT, 40)
+    want = ar_tokens(model, tok, PROMPT, 40)
     for opts in ({"mode": "ar"}, {}, {"draft": "mlx"}, {"draft": "ngram", "k": 6}, {"mode": "governed"}):
         responses = list(spel_mlx.stream_generate(model, tok, PROMPT, 40, temperature=0, **opts))
         tokens = [t for r in responses for t in r.tokens]

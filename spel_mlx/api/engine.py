@@ -8,23 +8,22 @@ import os
 import time
 from dataclasses import dataclass
 
-from .. import sampling as smp
-from .. import speculative as sp
+from ..decoding import MODES, PROPOSER_KINDS, DecodeError, GovernorConfig, SamplingParams, SpeculativeDecoder
+from ..decoding.factory import default_draft_threads, make_proposer
+from ..decoding.loop import MAX_K
+from ..decoding.sampling import SamplingError
+from ..native import clib
 
-MODES = ("ar", "spec", "governed", "oracle", "forced")
-DRAFTS = sp.DRAFT_KINDS
-MAX_K = sp.MAX_K
+DRAFTS = PROPOSER_KINDS
 MAX_DRAFT_THREADS = 6
 MAX_CACHED_DRAFTS = 4
-GovernorConfig = sp.GovernorConfig
-SamplingParams = smp.SamplingParams
-SettingsError = (sp.DecodeError, smp.SamplingError)
+SettingsError = (DecodeError, SamplingError)
 
 
 @dataclass(frozen=True)
 class DecodeSettings:
     mode: str = "spec"                 # see MODES; forced and oracle are benchmark-only
-    draft: object = None               # a name of DRAFTS, a draft engine, or None: c when built, else mlx
+    draft: object = None               # a name of DRAFTS, a Proposer, or None: c when built, else mlx
     k: int | None = None               # proposals per round (None: the config's spec_k)
     strict: bool = False
     draft_threads: int | None = None   # C draft workers (None: SPEL_DRAFT_THREADS, else 1)
@@ -44,78 +43,68 @@ class Cancelled(Exception):
     """Raised from the round hook to stop a call between rounds."""
 
 
-def c_draft_available() -> bool:
-    try:
-        from .. import draft as cdraft
-        cdraft._lib()
-        return True
-    except Exception:
-        return False
-
-
 def check(settings: DecodeSettings, cfg) -> None:
-    """Every setting error before any work (sp.DecodeError naming the setting)."""
+    """Every setting error before any work (DecodeError naming the setting)."""
     if settings.mode not in MODES:
-        raise sp.DecodeError(f"mode={settings.mode!r}: expected one of {', '.join(MODES)}")
+        raise DecodeError(f"mode={settings.mode!r}: expected one of {', '.join(MODES)}")
     k = cfg.spec_k if settings.k is None else settings.k
     if isinstance(k, bool) or not isinstance(k, int) or not (1 <= k <= MAX_K):
-        raise sp.DecodeError(f"k={k!r}: must be an integer in 1..{MAX_K}")
+        raise DecodeError(f"k={k!r}: must be an integer in 1..{MAX_K}")
     kind = settings.draft
     if isinstance(kind, str) and kind not in DRAFTS:
-        raise sp.DecodeError(f"draft={kind!r}: expected one of {', '.join(DRAFTS)}")
+        raise DecodeError(f"draft={kind!r}: expected one of {', '.join(DRAFTS)}")
     if settings.mode == "oracle" and kind not in (None, "target"):
-        raise sp.DecodeError(f"draft={kind!r}: mode oracle drafts with the full target")
-    if kind == "c" and not c_draft_available():
-        raise sp.DecodeError("draft='c': the C draft module is not built (reinstall with "
+        raise DecodeError(f"draft={kind!r}: mode oracle drafts with the full target")
+    if kind == "c" and not clib.available():
+        raise DecodeError("draft='c': the C draft module is not built (reinstall with "
                              "`pip install -e .` or use draft='mlx')")
     t = settings.draft_threads
     if t is not None and (isinstance(t, bool) or not isinstance(t, int) or not 1 <= t <= MAX_DRAFT_THREADS):
-        raise sp.DecodeError(f"draft_threads={t!r}: must be an integer in 1..{MAX_DRAFT_THREADS}")
+        raise DecodeError(f"draft_threads={t!r}: must be an integer in 1..{MAX_DRAFT_THREADS}")
     if settings.draft_ahead not in ("auto", "on", "off"):
-        raise sp.DecodeError(f"draft_ahead={settings.draft_ahead!r}: expected auto, on or off")
+        raise DecodeError(f"draft_ahead={settings.draft_ahead!r}: expected auto, on or off")
     if settings.mode == "forced" and not (isinstance(settings.forced_alpha, (int, float))
                                           and 0.0 <= settings.forced_alpha <= 1.0):
-        raise sp.DecodeError(f"forced_alpha={settings.forced_alpha!r}: mode forced needs one in [0, 1]")
+        raise DecodeError(f"forced_alpha={settings.forced_alpha!r}: mode forced needs one in [0, 1]")
 
 
 def check_prompt(prompt: list, cfg) -> None:
     if not prompt:
-        raise sp.DecodeError("the prompt is empty: at least one token is needed")
+        raise DecodeError("the prompt is empty: at least one token is needed")
     if len(prompt) > cfg.max_seq:
-        raise sp.DecodeError(f"the prompt is {len(prompt)} tokens, longer than max_seq={cfg.max_seq}")
+        raise DecodeError(f"the prompt is {len(prompt)} tokens, longer than max_seq={cfg.max_seq}")
     bad = [t for t in prompt if not 0 <= t < cfg.vocab]
     if bad:
-        raise sp.DecodeError(f"prompt token {bad[0]} is outside the vocabulary (0..{cfg.vocab - 1})")
+        raise DecodeError(f"prompt token {bad[0]} is outside the vocabulary (0..{cfg.vocab - 1})")
 
 
-def _draft(loaded, settings: DecodeSettings, k: int, params):
-    """The draft engine for these settings: built once per setting, then reused
-    (the engine resets it at the start of every call)."""
+def _proposer(loaded, settings: DecodeSettings, k: int, params):
+    """The proposer for these settings: built once per setting, then reused (the
+    engine resets it at the start of every call)."""
     kind = settings.draft
     if settings.mode == "ar":
         return None
     if not isinstance(kind, (str, type(None))):
-        return kind                                           # a ready engine (placement)
+        return kind                                           # a ready proposer (placement)
     if settings.mode == "oracle":
         kind = "target"
     if kind is None:
-        kind = "c" if c_draft_available() else "mlx"
-    threads = settings.draft_threads or sp.default_draft_threads()
+        kind = "c" if clib.available() else "mlx"
+    threads = settings.draft_threads or default_draft_threads()
     ahead = settings.draft_ahead == "on" or (settings.draft_ahead == "auto" and (os.cpu_count() or 1) >= 2
                                              and threads == 1)
-    pipeline = ahead and params.greedy and not params.uses_penalty and kind in ("c", "auto")
-    key = (kind, k, threads, pipeline, settings.strict)
+    ahead = ahead and params.greedy and not params.uses_penalty and kind in ("c", "auto")
+    key = (kind, k, threads, ahead, settings.strict)
     cache = loaded.drafts
     if key in cache:
         cache.move_to_end(key)
         return cache[key]
-    engine = sp.make_draft(kind, loaded.model, loaded.weights, k=k, threads=threads,
-                           strict=settings.strict, auto_fallback="c" if c_draft_available() else "mlx",
-                           pipeline=pipeline)
-    cache[key] = engine
+    proposer = make_proposer(kind, loaded.model, loaded.weights, k=k, threads=threads, strict=settings.strict,
+                             auto_fallback="c" if clib.available() else "mlx", ahead=ahead)
+    cache[key] = proposer
     while len(cache) > MAX_CACHED_DRAFTS:
         cache.popitem(last=False)[1].close()
-    return engine
+    return proposer
 
 
 class Decoding:
@@ -144,19 +133,21 @@ class Decoding:
         s, loaded = self.settings, self.loaded
         k = loaded.cfg.spec_k if s.k is None else s.k
         with loaded.lock:
-            draft = _draft(loaded, s, k, self.params)
-            self.decoder = dec = sp.SpeculativeDecoder(
-                loaded.model, draft, s.mode, k=k, strict=s.strict, params=self.params,
-                governor=s.governor, forced_alpha=s.forced_alpha)
-            seen = {"accepted": 0, "proposed": 0}
+            proposer = _proposer(loaded, s, k, self.params)
+            self.decoder = SpeculativeDecoder(loaded.model, proposer, s.mode, k=k, strict=s.strict,
+                                              params=self.params, governor=s.governor,
+                                              forced_alpha=s.forced_alpha)
             self._t0 = time.perf_counter()
 
-            def on_tokens(tokens):
-                st = dec.stats
-                n, m = st.accepted - seen["accepted"], st.proposed - seen["proposed"]
-                seen["accepted"], seen["proposed"] = st.accepted, st.proposed
-                on_round(Round(list(tokens), min(n, len(tokens)), m))
+            def hook(r):
+                on_round(Round(list(r.emitted), len(r.accepted_tokens), len(r.proposed)))
                 if should_stop is not None and should_stop():
                     raise Cancelled
 
-            return dec.generate(prompt, max_tokens, on_tokens=on_tokens, calibrate=calibrate)
+            return self.decoder.generate(prompt, max_tokens, on_round=hook, calibrate=calibrate)
+
+    @property
+    def draft_threads(self):
+        """Worker threads of the C draft in use, else None."""
+        proposer = self.decoder.proposer if self.decoder is not None else None
+        return proposer.threads if proposer is not None else None

@@ -50,7 +50,7 @@ def main(argv=None) -> int:
         print(f"error: the server needs FastAPI and uvicorn ({e}); install with pip install -e '.[server]'",
               file=sys.stderr)
         return 2
-    from ..api import GenerationError, LoadError, NoCheckpointError, load, prepare
+    from ..api import GenerationError, LoadError, NoCheckpoint, load, prepare
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
     if not 1 <= args.queue_size <= 4096:
@@ -58,7 +58,7 @@ def main(argv=None) -> int:
         return 2
     try:
         loaded, tokenizer = load(args.model, tokenizer=args.tokenizer)
-    except NoCheckpointError as e:
+    except NoCheckpoint as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
     except LoadError as e:
