@@ -19,18 +19,11 @@ import os
 import sys
 import time
 
-from .loading import LoadError, NoCheckpoint, load_for_decoding
-from .native import clib
-from .textstream import TextStream
+from .api import (DEFAULT_REPETITION_PENALTY, DEFAULT_TEMPERATURE, DEFAULT_TOP_P, GenerationError, GovernorConfig,
+                  LoadError, NoCheckpoint, load, prepare)
 
 DEFAULT_PROMPT = "It is a truth universally acknowledged, that"
 DEFAULT_MAX_TOKENS = 200
-# Sampling defaults for the shipped model: small models loop under pure greedy,
-# so a light temperature / nucleus / repetition penalty reads better.  The
-# penalty is applied identically to draft and target, so sampling stays lossless.
-DEFAULT_TEMPERATURE = 0.7
-DEFAULT_TOP_P = 0.95
-DEFAULT_REPETITION_PENALTY = 1.1
 
 MODE_HELP = "ar | spec | governed | oracle | forced=ALPHA (forced and oracle are benchmark-only)"
 
@@ -152,95 +145,90 @@ def check_args(args):
         raise UsageError(f"--alpha-threshold {args.alpha_threshold}: must be in [0, 1]")
 
 
-def sampling_params(args):
-    from .decoding import sampling as smp
-    penalty = args.repetition_penalty
-    if penalty is None:  # --temperature 0 alone means exact greedy
-        penalty = 1.0 if args.temperature == 0 else DEFAULT_REPETITION_PENALTY
-    params = smp.SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-                                repetition_penalty=penalty, seed=args.seed)
+def load_model(args):
+    """(model, tokenizer) for the command line's flags."""
     try:
-        return params.validate()
-    except smp.SamplingError as e:
-        raise UsageError(str(e)) from None
-
-
-def load(args):
-    """(checkpoint, config, tokenizer, model) for the command line's flags."""
-    try:
-        return load_for_decoding(args.checkpoint, args.config, args.spec_k, args.tokenizer)
+        return load(args.checkpoint, tokenizer=args.tokenizer, config=args.config)
     except LoadError as e:
         raise UsageError(str(e)) from None
 
 
-def choose_proposer(args, mode, params, model, ck, k, prompt, stderr):
-    """(proposer or None, the placement chosen by --placement auto or None)."""
-    if mode == "ar":
-        return None, None
-    from .decoding.factory import default_draft_threads, make_proposer
-    draft_kind = args.draft
-    if mode == "oracle":
-        if draft_kind not in (None, "target"):
-            raise UsageError(f"--mode oracle drafts with the full target; --draft {draft_kind} conflicts")
-        draft_kind = "target"
-    if args.placement == "auto":
-        if args.draft is not None:
-            raise UsageError("--placement auto chooses the draft itself; drop --draft")
-        from .decoding import placement as plc
-        try:
-            ranked = plc.calibrate_placement(model, ck.weights, k=k, prompt=prompt[-8:],
-                                             include_unavailable=False)
-            if not ranked:
-                raise UsageError("--placement auto: no placement could be calibrated")
-            proposer = plc.apply_placement(ranked[0], model, ck.weights, k=k)
-        except plc.PlacementError as e:
-            raise UsageError(f"--placement auto: {e}") from None
-        if args.stats:
-            print(plc.format_ranking(ranked), file=stderr)
-        return proposer, ranked[0]
-    c_built = clib.available()
-    if draft_kind is None:
-        draft_kind = "c" if c_built else "mlx"
+def placed_proposer(args, model, k, prompt, stderr):
+    """--placement auto: (the proposer of the placement the cost model ranks first, it)."""
+    if args.draft is not None:
+        raise UsageError("--placement auto chooses the draft itself; drop --draft")
+    from .decoding import placement as plc
     try:
-        ahead = args.draft_ahead == "on" or (
-            args.draft_ahead == "auto" and (os.cpu_count() or 1) >= 2
-            and (args.draft_threads or default_draft_threads()) == 1)
-        proposer = make_proposer(draft_kind, model, ck.weights, k=k, threads=args.draft_threads,
-                                 strict=args.strict, auto_fallback="c" if c_built else "mlx",
-                                 ahead=ahead and params.greedy and not params.uses_penalty)
-    except ImportError as e:
-        raise UsageError(f"--draft {draft_kind}: the C draft module is not available ({e}); "
-                         f"reinstall with `pip install -e .` or use --draft mlx") from None
-    except ValueError as e:
-        raise UsageError(f"--draft {draft_kind}: {e}") from None
-    return proposer, None
+        ranked = plc.calibrate_placement(model.model, model.weights, k=k, prompt=prompt[-8:],
+                                         include_unavailable=False)
+        if not ranked:
+            raise UsageError("--placement auto: no placement could be calibrated")
+        proposer = plc.apply_placement(ranked[0], model.model, model.weights, k=k)
+    except plc.PlacementError as e:
+        raise UsageError(f"--placement auto: {e}") from None
+    if args.stats:
+        print(plc.format_ranking(ranked), file=stderr)
+    return proposer, ranked[0]
+
+
+def make_request(args, mode, forced_alpha, model, tok, text, stderr):
+    """The API request for the flags: (request, the placement or None, its proposer or None)."""
+    prompt = tok.encode(text)
+    if not prompt:
+        raise UsageError("the prompt is empty: give at least one character")
+    k = model.cfg.spec_k if args.spec_k is None else args.spec_k
+    draft, placement, placed = args.draft, None, None
+    if mode == "oracle" and draft not in (None, "target"):
+        raise UsageError(f"--mode oracle drafts with the full target; --draft {draft} conflicts")
+    if args.placement == "auto" and mode != "ar":
+        placed, placement = placed_proposer(args, model, k, prompt, stderr)
+        draft = placed
+    gov = GovernorConfig(window=args.governor_window, alpha_threshold=args.alpha_threshold,
+                         resume_after=args.governor_resume, zero_accept_grace=args.governor_grace)
+    try:
+        request = prepare(model, tok, prompt, args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                          top_k=args.top_k, repetition_penalty=args.repetition_penalty, seed=args.seed,
+                          mode=mode, draft=draft, k=k, governor=gov, strict=args.strict,
+                          draft_threads=args.draft_threads, draft_ahead=args.draft_ahead,
+                          forced_alpha=forced_alpha)
+    except GenerationError as e:
+        if e.param == "draft":
+            raise UsageError(f"--draft {draft}: {e}") from None
+        raise UsageError(str(e)) from None
+    return request, placement, placed
+
+
+class TextOut:
+    """The API's responses as text on `out`: as they come, or all at the end (--no-stream)."""
+
+    def __init__(self, out, stream: bool):
+        self.out, self.stream, self.parts = out, stream, []
+
+    def __call__(self, response):
+        if self.stream:
+            self.out.write(response.text)
+            self.out.flush()
+        else:
+            self.parts.append(response.text)
+        if response.finish_reason is not None:
+            self.finish()
+
+    def finish(self):
+        self.out.write("".join(self.parts) + "\n")
+        self.out.flush()
 
 
 def run(argv=None, stdout=None, stderr=None) -> int:
-    from .decoding import DecodeError, GovernorConfig, SpeculativeDecoder
+    from .decoding import DecodeError
     stdout = stdout or sys.stdout
     stderr = stderr or sys.stderr
     try:
         args = build_parser().parse_args(argv)
         mode, forced_alpha = parse_mode(args.mode)
         check_args(args)
-        params = sampling_params(args)
         text = read_prompt(args)
-        ck, cfg, tok, model = load(args)
-        prompt = tok.encode(text)
-        if not prompt:
-            raise UsageError("the prompt is empty: give at least one character")
-        if len(prompt) > cfg.max_seq:
-            raise UsageError(f"the prompt is {len(prompt)} tokens, longer than max_seq={cfg.max_seq}")
-        if max(prompt) >= cfg.vocab:
-            raise UsageError(f"tokenizer {tok.name} produced token {max(prompt)} outside the "
-                             f"checkpoint's vocab of {cfg.vocab}")
-        K = cfg.spec_k
-        proposer, placement = choose_proposer(args, mode, params, model, ck, K, prompt, stderr)
-        gov = GovernorConfig(window=args.governor_window, alpha_threshold=args.alpha_threshold,
-                             resume_after=args.governor_resume, zero_accept_grace=args.governor_grace)
-        dec = SpeculativeDecoder(model, proposer, mode, k=K, strict=args.strict, params=params,
-                                 governor=gov, forced_alpha=forced_alpha)
+        model, tok = load_model(args)
+        request, placement, placed = make_request(args, mode, forced_alpha, model, tok, text, stderr)
     except NoCheckpoint as e:
         print(f"error: {e}", file=stderr)
         return 1
@@ -251,13 +239,17 @@ def run(argv=None, stdout=None, stderr=None) -> int:
         print("interrupted", file=stderr)
         return 130
 
-    stream = TextStream(tok, prompt, stdout, enabled=not args.no_stream)
     code = 0
+    text_out = TextOut(stdout, not args.no_stream)
     t0 = time.perf_counter()
     try:
-        dec.generate(prompt, args.max_tokens, on_tokens=stream.push, calibrate=args.stats)
+        request.run(on_response=text_out, calibrate=args.stats)
     except KeyboardInterrupt:
         code = 130
+        try:
+            text_out.finish()
+        except OSError:
+            pass
     except DecodeError as e:
         print(f"error: {e}", file=stderr)
         return 2
@@ -265,31 +257,24 @@ def run(argv=None, stdout=None, stderr=None) -> int:
         raise  # main() stops quietly (piped into `head`)
     except OSError as e:  # stdout unwritable (full disk, ...): one line, not a traceback
         print(f"error: cannot write the output: {e.strerror or e}", file=stderr)
-        dec.close()
         return 1
     finally:
         wall = time.perf_counter() - t0
-    try:
-        stream.finish()
-    except BrokenPipeError:
-        pass
-    except OSError as e:
-        print(f"error: cannot write the output: {e.strerror or e}", file=stderr)
-        dec.close()
-        return 1
+        model.close()
+        if placed is not None:
+            placed.close()
     if args.stats:
-        d = dec.stats.to_dict()
-        d.update({"wall_s": round(wall, 6), "checkpoint": ck.source, "tokenizer": tok.name,
-                  "vocab": cfg.vocab, "temperature": params.temperature, "top_p": params.top_p,
-                  "top_k": params.top_k, "repetition_penalty": params.repetition_penalty,
-                  "seed": params.seed,
-                  "draft_threads": proposer.threads if proposer is not None else None})
+        d = dict(request.stats)
+        d.update({"wall_s": round(wall, 6), "checkpoint": model.source, "tokenizer": tok.name,
+                  "vocab": model.cfg.vocab, "temperature": request.params.temperature,
+                  "top_p": request.params.top_p, "top_k": request.params.top_k,
+                  "repetition_penalty": request.params.repetition_penalty, "seed": request.params.seed,
+                  "draft_threads": request.decoding.draft_threads})
         if forced_alpha is not None:
             d["forced_alpha"] = forced_alpha
         if placement is not None:
             d["placement"] = placement.to_dict()
         print(json.dumps(d), file=stderr, flush=True)
-    dec.close()
     return code
 
 

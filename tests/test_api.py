@@ -104,14 +104,28 @@ def test_stop_strings_unit():
     assert s.feed([[1, "END", False]]) == [[1, "END", False]]
 
 
-def test_detokenizer_pieces_add_up(shipped):
-    _, tok = shipped
-    text = "She said: “naïve café — déjà vu”, 3½ times."
+@pytest.mark.parametrize("kind", ["bytes", "sentencepiece"])
+def test_detokenizer_equals_one_shot_decode(kind):
+    """Token by token, the text adds up to decoding everything at once (after the same
+    prompt), and an incomplete UTF-8 sequence is held back, never shown as U+FFFD."""
+    from spel_mlx.tokenizer import DEFAULT_SP_MODEL, ByteTokenizer, SentencePieceTokenizer
+    if kind == "bytes":
+        tok = ByteTokenizer()
+        text = "It is a truth universally acknowledged, that a single man"
+    else:
+        tok = SentencePieceTokenizer(DEFAULT_SP_MODEL)
+        text = " Café naïve — “quoted” ünïcödé words, 3½ times, and the LORD spake\nnew line"
+    prompt = tok.encode("Once upon a time")
     ids = tok.encode(text)
-    d = Detokenizer(tok, [])
+    d = Detokenizer(tok, prompt)
     pieces = [d.push(t) for t in ids]
-    assert "".join(pieces) + d.flush() == tok.decode(ids)
-    assert "" in pieces            # a multi-byte character spread over byte tokens waits for its last byte
+    assert not any("\ufffd" in p for p in pieces)
+    anchor = prompt[-Detokenizer.ANCHOR:]
+    one_shot = tok.decode(anchor + ids)[len(tok.decode(anchor)):]
+    assert "".join(pieces) + d.flush() == one_shot
+    assert one_shot.strip() == tok.decode(ids).strip()
+    if kind == "sentencepiece":
+        assert "" in pieces        # a character spread over byte tokens waits for its last byte
 
 
 @pytest.mark.parametrize("kwargs,param", [

@@ -253,39 +253,6 @@ def test_spel_spec_k_env(ckpt, monkeypatch):
     assert code == 2 and "spec_k=20" in err and err.count("\n") == 1
 
 
-@pytest.mark.parametrize("kind", ["bytes", "sentencepiece"])
-def test_text_stream_equals_one_shot_decode(kind):
-    from spel_mlx.textstream import TextStream
-    from spel_mlx.tokenizer import DEFAULT_SP_MODEL, ByteTokenizer, SentencePieceTokenizer
-    if kind == "bytes":
-        tok = ByteTokenizer()
-        text = "It is a truth universally acknowledged, that a single man"
-    else:
-        if not os.path.isfile(DEFAULT_SP_MODEL):
-            pytest.skip("no SentencePiece model shipped yet")
-        tok = SentencePieceTokenizer(DEFAULT_SP_MODEL)
-        text = " Café naïve — “quoted” ünïcödé words, and the LORD spake\nnew line"
-    prompt = tok.encode("Once upon a time")
-    gen_toks = tok.encode(text)
-    rng = np.random.default_rng(0)
-    for trial in range(5):
-        out = io.StringIO()
-        ts = TextStream(tok, prompt, out, enabled=True)
-        i = 0
-        while i < len(gen_toks):
-            n = int(rng.integers(1, 6))
-            ts.push(gen_toks[i:i + n])
-            i += n
-            assert "\ufffd" not in out.getvalue() or "\ufffd" in ts.text()
-        ts.finish()
-        one = io.StringIO()
-        ts2 = TextStream(tok, prompt, one, enabled=False)
-        ts2.push(gen_toks)
-        ts2.finish()
-        assert out.getvalue() == one.getvalue()
-        assert one.getvalue().rstrip("\n").strip() == tok.decode(gen_toks).strip()
-
-
 def test_selftest_skips_suites_whose_module_is_missing(monkeypatch):
     from spel_mlx import selftest
     from spel_mlx.config import resolve_config

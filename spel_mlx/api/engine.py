@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 from ..decoding import MODES, PROPOSER_KINDS, DecodeError, GovernorConfig, SamplingParams, SpeculativeDecoder
 from ..decoding.factory import default_draft_threads, make_proposer
-from ..decoding.loop import MAX_K
+from ..decoding.loop import MAX_K, checked_prompt
 from ..decoding.sampling import SamplingError
 from ..native import clib
 
@@ -66,16 +66,6 @@ def check(settings: DecodeSettings, cfg) -> None:
     if settings.mode == "forced" and not (isinstance(settings.forced_alpha, (int, float))
                                           and 0.0 <= settings.forced_alpha <= 1.0):
         raise DecodeError(f"forced_alpha={settings.forced_alpha!r}: mode forced needs one in [0, 1]")
-
-
-def check_prompt(prompt: list, cfg) -> None:
-    if not prompt:
-        raise DecodeError("the prompt is empty: at least one token is needed")
-    if len(prompt) > cfg.max_seq:
-        raise DecodeError(f"the prompt is {len(prompt)} tokens, longer than max_seq={cfg.max_seq}")
-    bad = [t for t in prompt if not 0 <= t < cfg.vocab]
-    if bad:
-        raise DecodeError(f"prompt token {bad[0]} is outside the vocabulary (0..{cfg.vocab - 1})")
 
 
 def _proposer(loaded, settings: DecodeSettings, k: int, params):

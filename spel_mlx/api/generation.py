@@ -71,7 +71,7 @@ class Request:
 
     def __init__(self, model, tokenizer, prompt, max_tokens, stop, settings, params):
         self.model, self.tokenizer = model, tokenizer
-        self.prompt, self.max_tokens, self.stop = prompt, max_tokens, stop
+        self.prompt, self.max_tokens, self.stop, self.params = prompt, max_tokens, stop, params
         self.decoding = engine.Decoding(model, settings, params)
         self.generated: list = []
         self._final: dict | None = None
@@ -168,7 +168,7 @@ def prepare(model, tokenizer, prompt, max_tokens: int = DEFAULT_MAX_TOKENS, *,
     except engine.SettingsError as e:
         raise GenerationError(str(e), _param_of(str(e))) from None
     try:
-        engine.check_prompt(ids, cfg)
+        engine.checked_prompt(ids, 0, cfg)
     except engine.SettingsError as e:
         raise GenerationError(str(e), "prompt") from None
     return Request(model, tokenizer, ids, max_tokens, stop, settings, params)

@@ -33,6 +33,23 @@ class DecodeError(ValueError):
     """Bad decoding request (empty prompt, prompt past max_seq, K out of range...)."""
 
 
+def checked_prompt(prompt, max_tokens: int, cfg) -> list:
+    """The prompt as ints; DecodeError when it is empty, longer than max_seq or outside
+    the vocabulary, or max_tokens < 0."""
+    prompt = [int(t) for t in prompt]
+    V, max_seq = cfg.vocab, cfg.max_seq
+    if not prompt:
+        raise DecodeError("the prompt is empty: at least one token is needed")
+    if len(prompt) > max_seq:
+        raise DecodeError(f"the prompt has {len(prompt)} tokens, longer than max_seq={max_seq}")
+    bad = [t for t in prompt if not (0 <= t < V)]
+    if bad:
+        raise DecodeError(f"prompt token {bad[0]} is outside the vocabulary (0..{V - 1})")
+    if max_tokens < 0:
+        raise DecodeError(f"max_tokens={max_tokens}: must be >= 0")
+    return prompt
+
+
 @dataclass(frozen=True)
 class RoundResult:
     """What one round decided, as ``generate(on_round=...)`` reports it."""
@@ -91,7 +108,7 @@ class SpeculativeDecoder:
         `on_round(RoundResult)` with the round's decision (which emitted tokens the
         proposer drafted, which the target corrected).  The statistics of the call are
         in `self.stats` (kept current, so they are valid after an interrupt too)."""
-        prompt = self._checked_prompt(prompt, max_tokens)
+        prompt = checked_prompt(prompt, max_tokens, self.cfg)
         max_seq = self.cfg.max_seq
         stop_set = set(int(t) for t in stop_tokens)
         rng = smp.make_rng(self.params.seed)
@@ -156,20 +173,6 @@ class SpeculativeDecoder:
         return out
 
     # -- the steps of a round ------------------------------------------------
-    def _checked_prompt(self, prompt, max_tokens) -> list:
-        prompt = [int(t) for t in prompt]
-        V, max_seq = self.cfg.vocab, self.cfg.max_seq
-        if not prompt:
-            raise DecodeError("the prompt is empty: at least one token is needed")
-        if len(prompt) > max_seq:
-            raise DecodeError(f"the prompt has {len(prompt)} tokens, longer than max_seq={max_seq}")
-        bad = [t for t in prompt if not (0 <= t < V)]
-        if bad:
-            raise DecodeError(f"prompt token {bad[0]} is outside the vocabulary (0..{V - 1})")
-        if max_tokens < 0:
-            raise DecodeError(f"max_tokens={max_tokens}: must be >= 0")
-        return prompt
-
     def _round_k(self, pos: int, remaining: int) -> int:
         """Proposals this round: K, fewer near max_seq or the end of the request."""
         if self.proposer is None:
