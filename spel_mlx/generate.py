@@ -178,8 +178,6 @@ def make_request(args, mode, forced_alpha, model, tok, text, stderr):
         raise UsageError("the prompt is empty: give at least one character")
     k = model.cfg.spec_k if args.spec_k is None else args.spec_k
     draft, placement, placed = args.draft, None, None
-    if mode == "oracle" and draft not in (None, "target"):
-        raise UsageError(f"--mode oracle drafts with the full target; --draft {draft} conflicts")
     if args.placement == "auto" and mode != "ar":
         placed, placement = placed_proposer(args, model, k, prompt, stderr)
         draft = placed
@@ -192,8 +190,6 @@ def make_request(args, mode, forced_alpha, model, tok, text, stderr):
                           draft_threads=args.draft_threads, draft_ahead=args.draft_ahead,
                           forced_alpha=forced_alpha)
     except GenerationError as e:
-        if e.param == "draft":
-            raise UsageError(f"--draft {draft}: {e}") from None
         raise UsageError(str(e)) from None
     return request, placement, placed
 

@@ -1,7 +1,7 @@
 """The API's one meeting point with the decoding engine (SPEC 5): settings checked
-before any work, a draft engine per setting (cached on the LoadedModel), one decoding
-call reported round by round -- which emitted tokens were accepted draft proposals
-and which was the target's own token (its correction, or the token of an AR round)."""
+before any work, a proposer per setting (cached on the LoadedModel), one decoding call
+reported round by round -- which emitted tokens were accepted draft proposals and which
+was the target's own token (its correction, or the token of an AR round)."""
 from __future__ import annotations
 
 import os
@@ -54,10 +54,10 @@ def check(settings: DecodeSettings, cfg) -> None:
     if isinstance(kind, str) and kind not in DRAFTS:
         raise DecodeError(f"draft={kind!r}: expected one of {', '.join(DRAFTS)}")
     if settings.mode == "oracle" and kind not in (None, "target"):
-        raise DecodeError(f"draft={kind!r}: mode oracle drafts with the full target")
+        raise DecodeError(f"draft={kind!r} conflicts with mode oracle, which drafts with the full target")
     if kind == "c" and not clib.available():
         raise DecodeError("draft='c': the C draft module is not built (reinstall with "
-                             "`pip install -e .` or use draft='mlx')")
+                          "`pip install -e .` or use draft='mlx')")
     t = settings.draft_threads
     if t is not None and (isinstance(t, bool) or not isinstance(t, int) or not 1 <= t <= MAX_DRAFT_THREADS):
         raise DecodeError(f"draft_threads={t!r}: must be an integer in 1..{MAX_DRAFT_THREADS}")

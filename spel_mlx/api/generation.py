@@ -73,7 +73,6 @@ class Request:
         self.model, self.tokenizer = model, tokenizer
         self.prompt, self.max_tokens, self.stop, self.params = prompt, max_tokens, stop, params
         self.decoding = engine.Decoding(model, settings, params)
-        self.generated: list = []
         self._final: dict | None = None
 
     @property
@@ -88,7 +87,7 @@ class Request:
         Returns the closing response."""
         detok = Detokenizer(self.tokenizer, self.prompt)
         stops = StopStrings(self.stop)
-        out = self.generated = []
+        out = []                   # the tokens given out so far
         self._final = None
         state = {"round": 0}
 
