@@ -190,11 +190,19 @@ def test_set_ops_is_used(small):
     from spel_mlx.model import MLXOps
 
     class Counting(MLXOps):
-        calls = 0
+        calls = {"attend": 0, "mixer_block": 0, "ffn_block": 0}
 
         def attend(self, *a):
-            Counting.calls += 1
+            Counting.calls["attend"] += 1
             return super().attend(*a)
+
+        def mixer_block(self, *a):
+            Counting.calls["mixer_block"] += 1
+            return super().mixer_block(*a)
+
+        def ffn_block(self, *a):
+            Counting.calls["ffn_block"] += 1
+            return super().ffn_block(*a)
     model.set_ops(MLXOps())
     ref = np.array(model.forward(tokens(5), model.new_state()))
     model.set_ops(Counting())
@@ -202,7 +210,9 @@ def test_set_ops_is_used(small):
         got = np.array(model.forward(tokens(5), model.new_state()))
     finally:
         model.set_ops(None)
-    assert Counting.calls == len(SMALL.attention_layers)
+    # every layer is the two residual halves of Block.__call__, through the ops object
+    assert Counting.calls == {"attend": len(SMALL.attention_layers), "mixer_block": SMALL.n_layers,
+                              "ffn_block": SMALL.n_layers}
     assert _bytes_differ(got, ref) == 0
 
 

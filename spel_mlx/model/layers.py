@@ -77,11 +77,13 @@ class GatedDeltaNet(nn.Module):
         """x [..., T, d] normed input.  A decoding pass reads the state before row 0
         from ``cache`` and leaves there the states and conv tails after each row
         and the unit q, k; ``cache=None`` starts from zeros (training)."""
-        if cache is None:       # training: the gates follow the parameters
-            a, beta, gates, tail, S0 = mx.sigmoid(self.decay_logit), mx.sigmoid(self.beta_logit), None, None, None
+        if cache is None:       # training: zero state, and the gates follow the parameters
+            a, beta, gates = mx.sigmoid(self.decay_logit), mx.sigmoid(self.beta_logit), None
+            tail = S0 = None
         else:
             g = self.gates(x.shape[-2])
-            a, beta, gates, tail, S0 = g["a"], g["b"], g["chunk"], cache.tail, cache.S
+            a, beta, gates = g["a"], g["b"], g["chunk"]
+            tail, S0 = cache.tail, cache.S
         u, tails = ops.conv_step(x, tail, self.conv)
         o, states, q, k = ops.gdn_delta(ops.linear(u, self.wqkv), a, beta, S0, gates)
         if cache is not None:

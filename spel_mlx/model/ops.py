@@ -88,10 +88,7 @@ class MLXOps:
     def delta_rule(self, q, k, v, a, beta, S0, gates=None):
         """SPEC 2 step 5 over M tokens from S0 [H, hd, hd].  Returns o [M, H, hd]
         (already / sqrt(hd)) and the M states after each token: a list of [H, hd, hd]
-        or one [M, H, hd, hd] array.  ``gates``: chunk_gates(a, M), precomputed.
-
-        One token runs the recurrence (the AR step, strict rows); several the chunked
-        closed form, whose per-token states stay separate lazy products."""
+        or one [M, H, hd, hd] array.  ``gates``: chunk_gates(a, M), precomputed."""
         if q.shape[-3] == 1:
             return delta_rule_recurrent(q, k, v, a, beta, S0)
         return delta_rule_chunked(q, k, v, a, beta, S0, chunk=q.shape[-3], gates=gates, all_states=True)
@@ -103,14 +100,12 @@ class MLXOps:
         q [M,H,hd] (rotated unit vectors); k_cache/v_cache [W,H,hd], the first W
         cache rows (W >= pos0+M) with this batch's k/v already written at pos0...
         Query j sees positions <= pos0+j.  pos0: int or int32 scalar array.  Score
-        scale sqrt(hd) (SPEC 2).  Returns [M,H,hd].
-
-        Every query meets every head of the cache read as one contiguous matrix
-        (H times the FLOPs, a few MFLOP) and the head-matched diagonal is picked
-        out: transposing (copying) the cache window cost more."""
+        scale sqrt(hd) (SPEC 2).  Returns [M,H,hd]."""
         W, H, hd = k_cache.shape
         if M > 1 and W <= ATTEND_HEAD_MAJOR_MAX:
             return self._attend_head_major(q, k_cache, v_cache, pos0, M)
+        # every query meets every head of the cache read as one contiguous matrix, and
+        # the head-matched diagonal is picked out: cheaper than copying the window
         R = k_cache.reshape(W * H, hd) @ q.reshape(M * H, hd).T        # [(w,h), (j,h')]
         if M == 1:
             s = R.reshape(W, H * H)[:, ::H + 1]                           # h == h': [W,H]
@@ -127,9 +122,8 @@ class MLXOps:
         return mx.as_strided(r, (M, H, hd), (H * H * hd, H * hd + hd, 1))
 
     def _attend_head_major(self, q, k_cache, v_cache, pos0, M):
-        """Per-head products reading the cache through strided views: fewer ops and
-        FLOPs for several queries over a short window; long windows lose on the
-        strided reads (ATTEND_HEAD_MAJOR_MAX)."""
+        """Per-head products over strided views of the cache: fewer ops for several
+        queries over a short window (ATTEND_HEAD_MAJOR_MAX)."""
         W, H, hd = k_cache.shape
         s = q.transpose(1, 0, 2) @ k_cache.transpose(1, 2, 0)              # [H,M,W]
         visible = mx.arange(W)[None, :] <= (mx.arange(M) + pos0)[:, None]  # [M,W]
