@@ -396,6 +396,7 @@ def test_sub_block_shape_errors(ops):
 def test_portable_build_compiles():
     """The module without its x86 SIMD code (what CPUs other than x86-64 compile):
     a syntax-only compile with -DSPEL_NO_SIMD, warnings as errors."""
+    import glob
     import shutil
     import subprocess
     import sysconfig
@@ -413,10 +414,10 @@ def test_portable_build_compiles():
     mlx_inc = os.path.join(os.path.dirname(os.path.dirname(mx.__file__)), "mlx", "include")
     if not os.path.isdir(mlx_inc):
         mlx_inc = os.path.join(os.path.dirname(mx.__file__), "include")
-    src = os.path.join(os.path.dirname(spel_mlx.__file__), "cpu_ext", "spel_cpu_ops.cpp")
+    srcs = sorted(glob.glob(os.path.join(os.path.dirname(spel_mlx.__file__), "cpu_ext", "*.cpp")))
     cmd = [cxx, "-std=c++20", "-fsyntax-only", "-Wall", "-Werror", "-DSPEL_NO_SIMD", '-DSPEL_MLX_VERSION="x"',
            "-I" + mlx_inc, "-I" + os.path.join(os.path.dirname(nanobind.__file__), "include"),
-           "-I" + sysconfig.get_paths()["include"], src]
+           "-I" + sysconfig.get_paths()["include"], *srcs]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
 

@@ -1,0 +1,40 @@
+// spel_mlx._spel_cpu: the Python face of the module (nanobind, in MLX's domain so
+// that mx.array objects pass both ways).  spel_mlx/cpu_ops.py is its caller.
+#include <nanobind/nanobind.h>
+#include <nanobind/stl/map.h>
+#include <nanobind/stl/pair.h>
+#include <nanobind/stl/string.h>
+#include <nanobind/stl/vector.h>
+
+#include "ops.h"
+
+namespace nb = nanobind;
+using namespace spel;
+
+NB_MODULE(_spel_cpu, m) {
+  m.doc() = "Fused CPU primitives of spel_mlx (see spel_mlx/cpu_ops.py)";
+  m.attr("mlx_version") = SPEL_MLX_VERSION;   // the MLX whose headers built this module
+  m.def("conv", &conv, nb::arg("x"), nb::arg("tail"), nb::arg("conv"));
+  m.def("delta", &delta, nb::arg("q"), nb::arg("k"), nb::arg("v"), nb::arg("a"), nb::arg("beta"),
+        nb::arg("S0"));
+  m.def("linear", &linear, nb::arg("x"), nb::arg("blocks"));
+  m.def("rms_norm", &rms_norm, nb::arg("x"), nb::arg("weight"), nb::arg("eps"));
+  m.def("silu_mul", &silu_mul, nb::arg("a"), nb::arg("b"));
+  m.def("gdn_delta", &gdn_delta, nb::arg("qkv"), nb::arg("a"), nb::arg("beta"), nb::arg("S0"));
+  m.def("ffn_block", &ffn_block, nb::arg("h"), nb::arg("norm"), nb::arg("w1"), nb::arg("w3"), nb::arg("w2"),
+        nb::arg("eps"));
+  m.def("gdn_block", &gdn_block, nb::arg("x"), nb::arg("norm"), nb::arg("tail"), nb::arg("conv"),
+        nb::arg("wqkv"), nb::arg("a"), nb::arg("beta"), nb::arg("S0"), nb::arg("wo"), nb::arg("eps"));
+  m.def("attn_qkv", &attn_qkv, nb::arg("x"), nb::arg("norm"), nb::arg("wqkv"), nb::arg("pos0"), nb::arg("cos"),
+        nb::arg("sin"), nb::arg("n_heads"), nb::arg("eps"));
+  m.def("attn_out", &attn_out, nb::arg("x"), nb::arg("q"), nb::arg("k_cache"), nb::arg("v_cache"), nb::arg("pos0"),
+        nb::arg("wo"), nb::arg("window"));
+  m.def("fma_chain_linear", &fma_chain_linear,
+        "True when linear products are per-element FMA chains (independent of the row count)");
+  m.def("set_linear", &set_linear, nb::arg("mode"), "The linear product: auto, reference or blas; returns the old one");
+  m.def("simd", &simd, "The SIMD variant the primitives use (\"avx512\", \"avx2\" or \"none\")");
+  m.def("set_simd", &set_simd, nb::arg("enable"), "Allow (default) or forbid the SIMD variants; returns the old setting");
+  m.def("profile", &profile, nb::arg("enable"),
+        "Time the primitives' bodies (enable); returns and resets {kind: (calls, seconds)}");
+  m.def("attend", &attend, nb::arg("q"), nb::arg("k_cache"), nb::arg("v_cache"), nb::arg("pos0"));
+}

@@ -1,0 +1,119 @@
+// The primitive base, the argument checks, and the module's switches: which SIMD
+// variant runs, and the per-kind timing of the bodies.
+#include "common.h"
+
+#include <chrono>
+#include <stdexcept>
+#include <string>
+
+#include "mlx/allocator.h"
+#include "mlx/backend/cpu/encoder.h"
+#include "ops.h"
+
+namespace spel {
+
+#if SPEL_AVX2
+const bool HAVE_AVX2 = __builtin_cpu_supports("avx2");
+const bool HAVE_AVX512 = __builtin_cpu_supports("avx512f");
+#else
+const bool HAVE_AVX2 = false;
+const bool HAVE_AVX512 = false;
+#endif
+std::atomic<bool> simd_allowed{true};
+
+namespace {
+
+const char* const PROF_NAMES[P_KINDS] = {"linear", "conv", "delta", "attend", "rowwise", "block"};
+std::atomic<bool> prof_on{false};
+std::atomic<int64_t> prof_ns[P_KINDS], prof_calls[P_KINDS];
+
+struct ProfScope {
+  ProfKind kind;
+  bool on;
+  std::chrono::steady_clock::time_point t0;
+  explicit ProfScope(ProfKind k) : kind(k), on(prof_on.load(std::memory_order_relaxed)) {
+    if (on) t0 = std::chrono::steady_clock::now();
+  }
+  ~ProfScope() {
+    if (!on) return;
+    auto ns = std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - t0);
+    prof_ns[kind] += ns.count();
+    prof_calls[kind] += 1;
+  }
+};
+
+void alloc(mx::array& out) { out.set_data(mx::allocator::malloc(out.nbytes())); }
+
+}  // namespace
+
+void CpuPrimitive::eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) {
+  throw std::runtime_error(std::string(name()) + ": CPU only");
+}
+
+void CpuPrimitive::eval_cpu(const std::vector<mx::array>& in, std::vector<mx::array>& out) {
+  for (auto& o : out) alloc(o);
+  auto& enc = mx::cpu::get_command_encoder(stream());
+  for (auto& a : in) enc.set_input_array(a);
+  for (auto& o : out) enc.set_output_array(o);
+  std::vector<mx::array> ins, outs;
+  for (auto& a : in) ins.push_back(mx::array::unsafe_weak_copy(a));
+  for (auto& o : out) outs.push_back(mx::array::unsafe_weak_copy(o));
+  enc.dispatch([f = task(), kind = kind_, ins = std::move(ins), outs = std::move(outs)]() mutable {
+    ProfScope prof(kind);
+    f(ins, outs);
+  });
+}
+
+mx::Stream cpu_stream() { return mx::default_stream(mx::Device::cpu); }
+
+void check_f32(const mx::array& a, const char* op, const char* what, int ndim) {
+  if (a.dtype() != mx::float32)
+    throw std::invalid_argument(std::string(op) + ": " + what + " must be float32");
+  if (static_cast<int>(a.ndim()) != ndim)
+    throw std::invalid_argument(std::string(op) + ": " + what + " must have " +
+                                std::to_string(ndim) + " dimensions");
+}
+
+void check_blocks(const mx::array& b, const char* op, const char* what, int64_t d_in) {
+  check_f32(b, op, what, 3);
+  if (b.shape(1) != d_in)
+    throw std::invalid_argument(std::string(op) + ": " + what + " blocks must be [nb, " + std::to_string(d_in) + ", rb]");
+  if (!b.flags().row_contiguous)
+    throw std::invalid_argument(std::string(op) + ": " + what + " blocks must be a contiguous (evaluated) array");
+}
+
+const float* contiguous_2d(const mx::array& a, std::vector<float>& buf) {
+  const int64_t R = a.shape(0), C = a.shape(1);
+  if (a.strides()[1] == 1 && (a.strides()[0] == C || R == 1)) return a.data<float>();
+  View V(a);
+  buf.resize(R * C);
+  for (int64_t r = 0; r < R; r++)
+    for (int64_t c = 0; c < C; c++) buf[r * C + c] = V.at(r, c);
+  return buf.data();
+}
+
+const float* contiguous_1d(const mx::array& a, std::vector<float>& buf) {
+  if (a.strides()[0] == 1) return a.data<float>();
+  View V(a);
+  buf.resize(a.shape(0));
+  for (int64_t c = 0; c < a.shape(0); c++) buf[c] = V.at(c);
+  return buf.data();
+}
+
+std::map<std::string, std::pair<int64_t, double>> profile(bool enable) {
+  std::map<std::string, std::pair<int64_t, double>> out;
+  for (int k = 0; k < P_KINDS; k++) {
+    out[PROF_NAMES[k]] = {prof_calls[k].exchange(0), prof_ns[k].exchange(0) * 1e-9};
+  }
+  prof_on = enable;
+  return out;
+}
+
+std::string simd() { return use_avx512() ? "avx512" : (use_avx2() ? "avx2" : "none"); }
+
+bool set_simd(bool enable) {
+  bool was = simd_allowed.exchange(enable);
+  return was;
+}
+
+}  // namespace spel

@@ -1,0 +1,175 @@
+// linear: x @ W^T from the contiguous row blocks [nb, in, rb] of model.Linear, one node
+// writing the [M, out] result in place (no broadcast of x, no reshape or transposed
+// copy).  The product is the AVX-512 tiles where the CPU has them, else one BLAS sgemm
+// per block (as MLX's batched matmul makes).
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <memory>
+#include <stdexcept>
+#include <string>
+
+#include "common.h"
+#include "kernels.h"
+#include "ops.h"
+
+// The BLAS MLX itself calls: resolved at load time through the global scope
+// first, where spel_mlx._blas put OpenBLAS (else MLX's bundled reference BLAS).
+extern "C" void cblas_sgemm(int order, int transa, int transb, int m, int n, int k, float alpha,
+                            const float* a, int lda, const float* b, int ldb, float beta, float* c,
+                            int ldc);
+enum { CBLAS_ROW_MAJOR = 101, CBLAS_NO_TRANS = 111 };
+
+namespace spel {
+namespace {
+
+std::atomic<int> linear_mode{0};   // 0 auto, 1 the fmaf reference (tests), 2 OpenBLAS
+
+// The products of linear_avx512, one fmaf chain per element (its reference).
+void linear_fma_ref(const float* X, int64_t M, int64_t K, const float* Wb, int64_t nb, int64_t rb, float* Y) {
+  for (int64_t b = 0; b < nb; b++)
+    for (int64_t m = 0; m < M; m++)
+      for (int64_t c = 0; c < rb; c++) {
+        float acc = 0.0f;
+        for (int64_t k = 0; k < K; k++) acc = std::fma(X[m * K + k], Wb[(b * K + k) * rb + c], acc);
+        Y[m * nb * rb + b * rb + c] = acc;
+      }
+}
+
+// The small-M product of the sub-blocks on AVX-512 machines: MR (<= 6) rows times
+// 16*NC (<= 64) columns of one contiguous row block, every accumulator in a
+// register, each weight read once in address order.  Each output element is one
+// fused-multiply-add chain over k in order, so a row's result does not depend on
+// M or on the tiling (fast K+1 rows equal single-token rows, bit for bit).
+#if SPEL_AVX2
+template <int MR, int NC>
+SPEL_TARGET_AVX512 void tile_avx512(const float* X, int64_t K, const float* W, int64_t rb, float* Y, int64_t ldy) {
+  __m512 acc[MR][NC];
+#pragma GCC unroll 8
+  for (int m = 0; m < MR; m++)
+#pragma GCC unroll 4
+    for (int c = 0; c < NC; c++) acc[m][c] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < K; k++) {
+    __m512 w[NC];
+#pragma GCC unroll 4
+    for (int c = 0; c < NC; c++) w[c] = _mm512_loadu_ps(W + k * rb + 16 * c);
+#pragma GCC unroll 8
+    for (int m = 0; m < MR; m++) {
+      const __m512 xb = _mm512_set1_ps(X[m * K + k]);
+#pragma GCC unroll 4
+      for (int c = 0; c < NC; c++) acc[m][c] = _mm512_fmadd_ps(xb, w[c], acc[m][c]);
+    }
+  }
+#pragma GCC unroll 8
+  for (int m = 0; m < MR; m++)
+#pragma GCC unroll 4
+    for (int c = 0; c < NC; c++) _mm512_storeu_ps(Y + m * ldy + 16 * c, acc[m][c]);
+}
+
+template <int MR>
+SPEL_TARGET_AVX512 void tile_avx512_cols(int nc, const float* X, int64_t K, const float* W, int64_t rb, float* Y,
+                                         int64_t ldy) {
+  switch (nc) {
+    case 4: tile_avx512<MR, 4>(X, K, W, rb, Y, ldy); break;
+    case 3: tile_avx512<MR, 3>(X, K, W, rb, Y, ldy); break;
+    case 2: tile_avx512<MR, 2>(X, K, W, rb, Y, ldy); break;
+    default: tile_avx512<MR, 1>(X, K, W, rb, Y, ldy); break;
+  }
+}
+
+SPEL_TARGET_AVX512 void linear_avx512(const float* X, int64_t M, int64_t K, const float* Wb, int64_t nb, int64_t rb,
+                                      float* Y) {
+  const int64_t ldy = nb * rb;
+  for (int64_t b = 0; b < nb; b++) {
+    const float* W = Wb + b * K * rb;
+    for (int64_t c0 = 0; c0 < rb; c0 += 64) {
+      const int nc = static_cast<int>(std::min<int64_t>(4, (rb - c0) / 16));
+      for (int64_t r0 = 0; r0 < M; r0 += 6) {
+        const float* x = X + r0 * K;
+        float* y = Y + r0 * ldy + b * rb + c0;
+        switch (std::min<int64_t>(6, M - r0)) {
+          case 6: tile_avx512_cols<6>(nc, x, K, W + c0, rb, y, ldy); break;
+          case 5: tile_avx512_cols<5>(nc, x, K, W + c0, rb, y, ldy); break;
+          case 4: tile_avx512_cols<4>(nc, x, K, W + c0, rb, y, ldy); break;
+          case 3: tile_avx512_cols<3>(nc, x, K, W + c0, rb, y, ldy); break;
+          case 2: tile_avx512_cols<2>(nc, x, K, W + c0, rb, y, ldy); break;
+          default: tile_avx512_cols<1>(nc, x, K, W + c0, rb, y, ldy); break;
+        }
+      }
+    }
+  }
+}
+#endif
+
+// Y [M, nb*rb] = X [M, d_in] (contiguous) times the row blocks Wb [nb, d_in, rb]:
+// the AVX-512 tiles when the CPU has them (blocks of whole 16-column vectors), else
+// one BLAS sgemm per block.
+inline void linear_body(const float* X, int64_t M, int64_t d_in, const float* Wb, int64_t nb, int64_t rb,
+                        float* Y) {
+  const int mode = linear_mode.load(std::memory_order_relaxed);
+  if (mode == 1) {
+    linear_fma_ref(X, M, d_in, Wb, nb, rb, Y);
+    return;
+  }
+#if SPEL_AVX2
+  if (mode == 0 && use_avx512() && rb % 16 == 0) {
+    linear_avx512(X, M, d_in, Wb, nb, rb, Y);
+    return;
+  }
+#endif
+  for (int64_t b = 0; b < nb; b++)
+    cblas_sgemm(CBLAS_ROW_MAJOR, CBLAS_NO_TRANS, CBLAS_NO_TRANS, M, rb, d_in, 1.0f, X, d_in,
+                Wb + b * d_in * rb, rb, 0.0f, Y + b * rb, nb * rb);
+}
+
+class SpelLinear : public CpuPrimitive {
+ public:
+  explicit SpelLinear(mx::Stream s) : CpuPrimitive(s, P_LINEAR) {}
+  const char* name() const override { return "SpelLinear"; }
+
+ protected:
+  Task task() const override {
+    return [](const std::vector<mx::array>& in, std::vector<mx::array>& out) {
+      std::vector<float> xc;
+      const mx::array& wb = in[1];
+      linear_body(contiguous_2d(in[0], xc), in[0].shape(0), in[0].shape(1), wb.data<float>(), wb.shape(0),
+                  wb.shape(2), out[0].data<float>());
+    };
+  }
+};
+
+}  // namespace
+
+void linear_into(const float* X, int64_t M, const mx::array& blocks, float* Y) {
+  linear_body(X, M, blocks.shape(1), blocks.data<float>(), blocks.shape(0), blocks.shape(2), Y);
+}
+
+mx::array linear(const mx::array& x, const mx::array& blocks) {
+  check_f32(x, "linear", "x", 2);
+  check_f32(blocks, "linear", "weight blocks", 3);
+  if (blocks.shape(1) != x.shape(1))
+    throw std::invalid_argument("linear: weight blocks [nb, in, rb] for x [M, in]");
+  if (!blocks.flags().row_contiguous)
+    throw std::invalid_argument("linear: the weight blocks must be a contiguous (evaluated) array");
+  return mx::array({x.shape(0), blocks.shape(0) * blocks.shape(2)}, mx::float32,
+                   std::make_shared<SpelLinear>(cpu_stream()), {x, blocks});
+}
+
+// Which product `linear` and the sub-blocks use: "auto" (AVX-512 tiles where the CPU
+// has them, else BLAS), "reference" (fmaf chains, what the tiles equal) or "blas".
+std::string set_linear(const std::string& mode) {
+  static const char* names[3] = {"auto", "reference", "blas"};
+  for (int i = 0; i < 3; i++)
+    if (mode == names[i]) return names[linear_mode.exchange(i)];
+  throw std::invalid_argument("set_linear: expected auto, reference or blas, not " + mode);
+}
+
+// True when linear_body computes every output element as one FMA chain over k in
+// order (the AVX-512 tiles or their reference) for blocks of whole 16-column vectors:
+// a row's product then does not depend on how many rows the call has.
+bool fma_chain_linear() {
+  const int mode = linear_mode.load();
+  return mode == 1 || (mode == 0 && use_avx512());
+}
+
+}  // namespace spel

@@ -1,0 +1,55 @@
+// The module's functions (bindings.cpp exposes them to Python as spel_mlx._spel_cpu):
+// each checks its arguments and returns the outputs of one new graph node.
+// Shapes and meaning are those of MLXOps (spel_mlx/model.py).
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "mlx/array.h"
+
+namespace mx = mlx::core;
+
+namespace spel {
+
+// linear.cpp: x [M, in] @ W^T from the contiguous row blocks [nb, in, rb] of model.Linear
+mx::array linear(const mx::array& x, const mx::array& blocks);
+std::string set_linear(const std::string& mode);
+bool fma_chain_linear();
+
+// norm_gate.cpp: RMSNorm of each row; the SwiGLU gate silu(a) * b
+mx::array rms_norm(const mx::array& x, const mx::array& w, float eps);
+mx::array silu_mul(const mx::array& a, const mx::array& b);
+
+// conv_delta.cpp: u = silu(causal 3-tap conv), tails; the gated delta rule over M tokens
+std::vector<mx::array> conv(const mx::array& x, const mx::array& tail, const mx::array& conv_w);
+std::vector<mx::array> delta(const mx::array& q, const mx::array& k, const mx::array& v, const mx::array& a,
+                             const mx::array& beta, const mx::array& S0);
+std::vector<mx::array> gdn_delta(const mx::array& qkv, const mx::array& a, const mx::array& beta,
+                                 const mx::array& S0);
+
+// attention.cpp: causal softmax attention, and the attention layer as two sub-block nodes
+mx::array attend(const mx::array& q, const mx::array& k_cache, const mx::array& v_cache, const mx::array& pos0);
+std::vector<mx::array> attn_qkv(const mx::array& x, const mx::array& norm, const mx::array& wqkv,
+                                const mx::array& pos0, const mx::array& cos, const mx::array& sin, int n_heads,
+                                float eps);
+mx::array attn_out(const mx::array& x, const mx::array& q, const mx::array& k_cache, const mx::array& v_cache,
+                   const mx::array& pos0, const mx::array& wo, int window);
+
+// blocks.cpp: the FFN and GDN residual sub-blocks as single nodes
+mx::array ffn_block(const mx::array& h, const mx::array& norm, const mx::array& w1, const mx::array& w3,
+                    const mx::array& w2, float eps);
+std::vector<mx::array> gdn_block(const mx::array& x, const mx::array& norm, const mx::array& tail,
+                                 const mx::array& conv_w, const mx::array& wqkv, const mx::array& a,
+                                 const mx::array& beta, const mx::array& S0, const mx::array& wo, float eps);
+
+// common.cpp: timing of the bodies ({kind: (calls, seconds)} so far, then reset), the
+// SIMD variant in use ("avx512", "avx2" or "none") and the switch to the scalar references
+std::map<std::string, std::pair<int64_t, double>> profile(bool enable);
+std::string simd();
+bool set_simd(bool enable);
+
+}  // namespace spel
