@@ -116,16 +116,11 @@ void attn_out_body(const std::vector<mx::array>& in, std::vector<mx::array>& out
   for (int64_t i = 0; i < M * d; i++) xo[i] = x[i] + y[i];
 }
 
-class SpelAttnBlock : public CpuPrimitive {
+class SpelAttnBlock : public ParamPrimitive {
  public:
   enum Kind { QKV, OUT };
-  SpelAttnBlock(mx::Stream s, Kind kind, float eps, int window)
-      : CpuPrimitive(s, P_BLOCK), kind_(kind), eps_(eps), window_(window) {}
+  SpelAttnBlock(mx::Stream s, Kind kind, float eps, int window) : ParamPrimitive(s, P_BLOCK, kind, eps, window) {}
   const char* name() const override { return kind_ == QKV ? "SpelAttnQKV" : "SpelAttnOut"; }
-  bool is_equivalent(const mx::Primitive& other) const override {
-    auto& o = static_cast<const SpelAttnBlock&>(other);
-    return kind_ == o.kind_ && eps_ == o.eps_ && window_ == o.window_;
-  }
 
  protected:
   Task task() const override {
@@ -137,11 +132,6 @@ class SpelAttnBlock : public CpuPrimitive {
         attn_out_body(ins, outs, window);
     };
   }
-
- private:
-  Kind kind_;
-  float eps_;
-  int window_;
 };
 
 void check_pos0(const mx::array& pos0, const char* op) {

@@ -44,15 +44,11 @@ void gdn_body(const std::vector<mx::array>& in, std::vector<mx::array>& out, flo
   for (int64_t i = 0; i < M * d; i++) xo[i] = x[i] + y[i];
 }
 
-class SpelBlock : public CpuPrimitive {
+class SpelBlock : public ParamPrimitive {
  public:
   enum Kind { FFN, GDN };
-  SpelBlock(mx::Stream s, Kind kind, float eps) : CpuPrimitive(s, P_BLOCK), kind_(kind), eps_(eps) {}
+  SpelBlock(mx::Stream s, Kind kind, float eps) : ParamPrimitive(s, P_BLOCK, kind, eps) {}
   const char* name() const override { return kind_ == FFN ? "SpelFFNBlock" : "SpelGDNBlock"; }
-  bool is_equivalent(const mx::Primitive& other) const override {
-    auto& o = static_cast<const SpelBlock&>(other);
-    return kind_ == o.kind_ && eps_ == o.eps_;
-  }
 
  protected:
   Task task() const override {
@@ -63,10 +59,6 @@ class SpelBlock : public CpuPrimitive {
         gdn_body(ins, outs, eps);
     };
   }
-
- private:
-  Kind kind_;
-  float eps_;
 };
 
 }  // namespace

@@ -58,7 +58,7 @@ void CpuPrimitive::eval_cpu(const std::vector<mx::array>& in, std::vector<mx::ar
   std::vector<mx::array> ins, outs;
   for (auto& a : in) ins.push_back(mx::array::unsafe_weak_copy(a));
   for (auto& o : out) outs.push_back(mx::array::unsafe_weak_copy(o));
-  enc.dispatch([f = task(), kind = kind_, ins = std::move(ins), outs = std::move(outs)]() mutable {
+  enc.dispatch([f = task(), kind = prof_, ins = std::move(ins), outs = std::move(outs)]() mutable {
     ProfScope prof(kind);
     f(ins, outs);
   });

@@ -66,7 +66,7 @@ using Task = std::function<void(const std::vector<mx::array>& in, std::vector<mx
 // stream's worker thread, as MLX's own CPU ops do.
 class CpuPrimitive : public mx::Primitive {
  public:
-  CpuPrimitive(mx::Stream s, ProfKind kind) : mx::Primitive(s), kind_(kind) {}
+  CpuPrimitive(mx::Stream s, ProfKind prof) : mx::Primitive(s), prof_(prof) {}
   void eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) override;
   void eval_cpu(const std::vector<mx::array>& in, std::vector<mx::array>& out) override;
 
@@ -74,7 +74,24 @@ class CpuPrimitive : public mx::Primitive {
   virtual Task task() const = 0;
 
  private:
-  ProfKind kind_;
+  ProfKind prof_;
+};
+
+// A primitive with parameters beside its inputs (a variant, an epsilon, a window):
+// mx.compile merges two nodes of one type with the same inputs only when these agree.
+class ParamPrimitive : public CpuPrimitive {
+ public:
+  ParamPrimitive(mx::Stream s, ProfKind prof, int kind, float eps = 0.0f, int window = 0)
+      : CpuPrimitive(s, prof), kind_(kind), eps_(eps), window_(window) {}
+  bool is_equivalent(const mx::Primitive& other) const override {
+    auto& o = static_cast<const ParamPrimitive&>(other);
+    return kind_ == o.kind_ && eps_ == o.eps_ && window_ == o.window_;
+  }
+
+ protected:
+  const int kind_;
+  const float eps_;
+  const int window_;
 };
 
 mx::Stream cpu_stream();

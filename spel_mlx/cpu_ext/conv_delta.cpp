@@ -144,17 +144,14 @@ class SpelConv : public CpuPrimitive {
 // With raw=true the inputs are qkv [M, 3*H*hd] (the wqkv projection), a, beta, S0
 // and q, k are L2-normalized here (x / sqrt(sum x^2 + 1e-6), model.l2_normalize);
 // the unit q and k are two more outputs (what NoteBank captures).
-class SpelDelta : public CpuPrimitive {
+class SpelDelta : public ParamPrimitive {
  public:
-  SpelDelta(mx::Stream s, bool raw) : CpuPrimitive(s, P_DELTA), raw_(raw) {}
-  const char* name() const override { return raw_ ? "SpelGDNDelta" : "SpelDelta"; }
-  bool is_equivalent(const mx::Primitive& other) const override {
-    return raw_ == static_cast<const SpelDelta&>(other).raw_;
-  }
+  SpelDelta(mx::Stream s, bool raw) : ParamPrimitive(s, P_DELTA, raw) {}
+  const char* name() const override { return kind_ ? "SpelGDNDelta" : "SpelDelta"; }
 
  protected:
   Task task() const override {
-    return [raw = raw_](const std::vector<mx::array>& ins, std::vector<mx::array>& outs) {
+    return [raw = kind_ != 0](const std::vector<mx::array>& ins, std::vector<mx::array>& outs) {
       const int64_t M = outs[0].shape(0), H = outs[0].shape(1), hd = outs[0].shape(2);
       const int n_in = raw ? 1 : 3;
       View A(ins[n_in]), B(ins[n_in + 1]), S0v(ins[n_in + 2]);
@@ -174,9 +171,6 @@ class SpelDelta : public CpuPrimitive {
                  });
     };
   }
-
- private:
-  bool raw_;
 };
 
 }  // namespace

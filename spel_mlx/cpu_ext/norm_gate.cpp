@@ -73,15 +73,11 @@ inline void rms_row(const float* xr, const float* wr, float* yr, int64_t d, floa
   for (int64_t c = 0; c < d; c++) yr[c] = wr[c] * (xr[c] * inv);
 }
 
-class SpelRowwise : public CpuPrimitive {
+class SpelRowwise : public ParamPrimitive {
  public:
   enum Kind { RMS_NORM, SILU_MUL };
-  SpelRowwise(mx::Stream s, Kind kind, float eps) : CpuPrimitive(s, P_ROWWISE), kind_(kind), eps_(eps) {}
+  SpelRowwise(mx::Stream s, Kind kind, float eps) : ParamPrimitive(s, P_ROWWISE, kind, eps) {}
   const char* name() const override { return kind_ == RMS_NORM ? "SpelRMSNorm" : "SpelSiluMul"; }
-  bool is_equivalent(const mx::Primitive& other) const override {
-    auto& o = static_cast<const SpelRowwise&>(other);
-    return kind_ == o.kind_ && eps_ == o.eps_;
-  }
 
  protected:
   Task task() const override {
@@ -110,10 +106,6 @@ class SpelRowwise : public CpuPrimitive {
       }
     };
   }
-
- private:
-  Kind kind_;
-  float eps_;
 };
 
 }  // namespace
