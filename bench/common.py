@@ -22,6 +22,7 @@ import tempfile
 import time
 
 SCHEMA = "spel-mlx-bench/1"
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 OK, NOT_AVAILABLE, SKIPPED, ERROR = "ok", "not available", "skipped", "error"
 
@@ -139,6 +140,20 @@ def merge_runs(runs: list) -> list:
             base["metrics"] = {}
         merged.append(base)
     return merged
+
+
+def select_rows(results: dict, section=None, regime=None, **eq) -> list:
+    """The rows of a results document in one section and regime with the given fields."""
+    out = []
+    for r in results["rows"]:
+        if section is not None and r["section"] != section:
+            continue
+        if regime is not None and r.get("regime") != regime:
+            continue
+        if any(r.get(k) != v for k, v in eq.items()):
+            continue
+        out.append(r)
+    return out
 
 
 def metric(row: dict, name: str, stat: str = "median"):

@@ -8,7 +8,7 @@ import sys
 import pytest
 
 import spel_mlx  # noqa: F401  (BLAS before mlx.core)
-from bench import common, peers, report, run
+from bench import common, peers, regimes, run, worker
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -167,12 +167,12 @@ def test_write_json_atomic_leaves_no_temp(tmp_path):
 
 
 def test_b1_rows_normalized_from_the_kernel_module_shapes():
-    rows = run.normalize_b1([{"name": "dotprod", "threads": 1, "gmac_s": 17.7, "weight_gb_s": 4.4}])
+    rows = worker.normalize_b1([{"name": "dotprod", "threads": 1, "gmac_s": 17.7, "weight_gb_s": 4.4}])
     assert rows[0]["section"] == "b1" and rows[0]["primary"] == "gmac_s"
     assert rows[0]["metrics"] == {"gmac_s": 17.7, "weight_gb_s": 4.4}
-    rows = run.normalize_b1({"rows": [{"kernel": "scalar", "ms_per_gemv": 2.5, "isa": "x86"}]})
+    rows = worker.normalize_b1({"rows": [{"kernel": "scalar", "ms_per_gemv": 2.5, "isa": "x86"}]})
     assert rows[0]["name"] == "scalar" and '"isa": "x86"' in rows[0]["note"]
-    rows = run.normalize_b1({"fp32": {"gmac_s": 6.0}})
+    rows = worker.normalize_b1({"fp32": {"gmac_s": 6.0}})
     assert rows[0]["name"] == "fp32"
 
 
@@ -218,7 +218,7 @@ def test_cli_bad_arguments_are_clear_errors(args, msg, capsys):
 @pytest.fixture(scope="module")
 def tiny_model():
     from spel_mlx.model import SpelModel, init_weights
-    cfg = run.regime_config("tiny")
+    cfg = regimes.regime_config("tiny")
     weights = init_weights(cfg, seed=3)
     return SpelModel.from_weights(cfg, weights), weights
 
