@@ -10,8 +10,8 @@ at 1/(n+1), 2/(n+1), ... of the file, ``--prompt`` tokens each.  Every row is th
 median over ``--repeats`` timed calls after one untimed warm-up call (compiles the
 passes); modes of one text are interleaved per repeat so load changes hit them alike.
 ``x AR`` divides by the ar row of the same text; ``x mlx-lm`` by mlx-lm's greedy rate
-on the same prompt length.  Prints a markdown table (docs/benchmarks.md,
-"Held-out decoding").
+on the same prompt length.  Prints a markdown table (docs/decoding.md,
+"Measurements").
 """
 from __future__ import annotations
 
