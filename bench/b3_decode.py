@@ -52,7 +52,7 @@ def cost_fields(st, ar_token_s: float, ar_tok_s: float, K: int, governed: bool =
 def draft_only_c(engine, prompt, n: int) -> float:
     """tok/s of the C draft alone: prompt fed in ring-sized chunks, then n greedy steps."""
     import numpy as np
-    d = engine.d
+    d = engine.cdraft
     d.reset()
     ring = engine.ring
     for i in range(0, len(prompt) - 1, ring):

@@ -45,6 +45,9 @@ def test_smoke_json_structure(smoke):
             assert len(m["runs"]) == r["process_runs"] or len(m["runs"]) <= r["process_runs"]
     keys = [common.row_key(r) for r in res["rows"]]
     assert len(keys) == len(set(keys)), "merged rows must be unique per key"
+    # what a machine lacks is "not available"; an error row is a bug in a section
+    errors = [(r["section"], r["name"], r["note"]) for r in res["rows"] if r["status"] == common.ERROR]
+    assert not errors, errors
 
 
 def test_smoke_headline_rows_span_process_runs(smoke):
