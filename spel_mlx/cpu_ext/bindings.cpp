@@ -1,5 +1,5 @@
 // spel_mlx._spel_cpu: the Python face of the module (nanobind, in MLX's domain so
-// that mx.array objects pass both ways).  spel_mlx/cpu_ops.py is its caller.
+// that mx.array objects pass both ways).  spel_mlx/model/cpu_ops.py is its caller.
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/map.h>
 #include <nanobind/stl/pair.h>
@@ -12,7 +12,7 @@ namespace nb = nanobind;
 using namespace spel;
 
 NB_MODULE(_spel_cpu, m) {
-  m.doc() = "Fused CPU primitives of spel_mlx (see spel_mlx/cpu_ops.py)";
+  m.doc() = "Fused CPU primitives of spel_mlx (see spel_mlx/model/cpu_ops.py)";
   m.attr("mlx_version") = SPEL_MLX_VERSION;   // the MLX whose headers built this module
   m.def("conv", &conv, nb::arg("x"), nb::arg("tail"), nb::arg("conv"));
   m.def("delta", &delta, nb::arg("q"), nb::arg("k"), nb::arg("v"), nb::arg("a"), nb::arg("beta"),

@@ -2,7 +2,7 @@
 // primitive derives from and the helpers all families share.
 //
 // On the CPU each MLX graph node costs microseconds of dispatch whatever its size,
-// so each primitive here is one node where MLXOps (spel_mlx/model.py) spends many.
+// so each primitive here is one node where MLXOps (spel_mlx/model/ops.py) spends many.
 // float32 only; inputs may be strided views (read through their strides).  Each
 // primitive runs on the CPU stream's worker thread like MLX's own CPU ops.  Every
 // SIMD kernel sits beside its scalar reference and gives the same bits; MLXOps and

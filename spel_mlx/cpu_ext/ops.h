@@ -1,6 +1,6 @@
 // The module's functions (bindings.cpp exposes them to Python as spel_mlx._spel_cpu):
 // each checks its arguments and returns the outputs of one new graph node.
-// Shapes and meaning are those of MLXOps (spel_mlx/model.py).
+// Shapes and meaning are those of MLXOps (spel_mlx/model/ops.py).
 #pragma once
 
 #include <cstdint>
