@@ -181,6 +181,7 @@ struct spel_draft {
     float *rope_cs;    /* cos and sin of the current position's angles */
     float *x, *xn, *h, *u, *qkv, *o, *mix, *g1, *g3, *scores;
     spel_act act;
+    spel_sampler *sampler;   /* proposals sampled instead of argmax when on (sampling.c) */
     char err[256];
     /* the asynchronous proposal (spel_draft_propose_at_async): one native worker,
      * started on first use; while a request is out (busy) no other call may run */
@@ -189,6 +190,7 @@ struct spel_draft {
         pthread_mutex_t mu;
         pthread_cond_t cv;
         int started, busy, ready, quit, rc, k, start, guess;
+        int cancel;   /* spel_draft_cancel: stop after the forward in progress (atomic) */
         int32_t pending, *out;
     } ahead;
 };
@@ -344,6 +346,7 @@ void spel_draft_free(spel_draft *d) {
     spel_qmat_release(&d->head_q);
     free(d->x); free(d->xn); free(d->h); free(d->u); free(d->qkv); free(d->o); free(d->mix);
     free(d->g1); free(d->g3); free(d->scores); free(d->inv_freq); free(d->rope_cs); free(d->act.xq); free(d->act.xperm);
+    spel_sampler_free(d->sampler);
     free(d);
 }
 
@@ -583,17 +586,28 @@ static int propose_at(spel_draft *d, int32_t pending, int k, int start, int gues
     int32_t t = pending;
     int rc = 0;
     for (int j = 0; j <= k; j++) {
+        if (__atomic_load_n(&d->ahead.cancel, __ATOMIC_RELAXED)) {
+            rc = SPEL_CANCELLED;   /* the batch before `start` stays as it was */
+            break;
+        }
         /* the last forward extends the state over d_{k-1}; its logits (the draft's
          * guess at the target's next token, out[k]) only when asked for */
         if ((rc = run_token(d, t, start + j, j < k || guess ? logits : NULL))) break;
         if (j == k && !guess) break;
         int best = 0;
-        for (int v = 1; v < d->cfg.vocab; v++)
-            if (logits[v] > logits[best]) best = v;
+        if (spel_sampler_on(d->sampler)) {
+            if ((best = spel_sampler_pick(d->sampler, logits, pending, out, j, start + j)) < 0) {
+                rc = fail(d, "no finite draft logit at offset %d", start + j);
+                break;
+            }
+        } else {
+            for (int v = 1; v < d->cfg.vocab; v++)
+                if (logits[v] > logits[best]) best = v;
+        }
         out[j] = t = best;
     }
     free(logits);
-    d->last_m = rc ? 0 : start + k + 1;
+    d->last_m = rc == SPEL_CANCELLED ? start : rc ? 0 : start + k + 1;
     return rc;
 }
 
@@ -679,6 +693,7 @@ int spel_draft_propose_at_async(spel_draft *d, int32_t pending, int k, int start
     d->ahead.start = start;
     d->ahead.guess = guess;
     d->ahead.ready = 0;
+    __atomic_store_n(&d->ahead.cancel, 0, __ATOMIC_RELAXED);
     d->ahead.busy = 1;
     pthread_cond_broadcast(&d->ahead.cv);
     pthread_mutex_unlock(&d->ahead.mu);
@@ -691,6 +706,7 @@ int spel_draft_wait(spel_draft *d, int32_t *out_tokens) {
     if (!d->ahead.ready) ahead_priority(d->ahead.th, 0);   /* now on the critical path */
     while (!d->ahead.ready) pthread_cond_wait(&d->ahead.cv, &d->ahead.mu);
     d->ahead.busy = 0;
+    __atomic_store_n(&d->ahead.cancel, 0, __ATOMIC_RELAXED);
     int rc = d->ahead.rc;
     pthread_mutex_unlock(&d->ahead.mu);
     if (rc == 0 && out_tokens)
@@ -704,5 +720,43 @@ int spel_draft_commit_keep(spel_draft *d, int n) {
     d->read = (d->read + n) % d->R;
     d->pos += n;
     d->last_m -= n;   /* the rest of the batch stays uncommitted, now at offsets 0.. */
+    return 0;
+}
+
+/* --- sampled proposals (the sampler lives in sampling.c) ----------------------- */
+int spel_draft_set_sampling(spel_draft *d, const spel_sampling *s, int want_q) {
+    REFUSE_IF_BUSY(d);
+    if (!s) {
+        if (d->sampler) spel_sampler_configure(d->sampler, NULL, 0);
+        return 0;
+    }
+    if (!d->sampler && !(d->sampler = spel_sampler_new(d->cfg.vocab, d->R))) return fail(d, "out of memory");
+    const int rc = spel_sampler_configure(d->sampler, s, want_q);
+    if (rc == -1) return fail(d, "bad sampling parameters");
+    return rc ? fail(d, "out of memory") : 0;
+}
+
+int spel_draft_set_context(spel_draft *d, const int32_t *ctx, int n, int64_t index) {
+    REFUSE_IF_BUSY(d);
+    if (!spel_sampler_on(d->sampler)) return fail(d, "set_context: sampling is off");
+    if (n < 0 || index < 0) return fail(d, "set_context: bad length %d or index %lld", n, (long long)index);
+    spel_sampler_context(d->sampler, ctx, n, index);
+    return 0;
+}
+
+int spel_draft_probs(spel_draft *d, int offset, double *out) {
+    REFUSE_IF_BUSY(d);
+    const double *q = spel_sampler_on(d->sampler) ? spel_sampler_q(d->sampler, offset) : NULL;
+    if (!q) return fail(d, "no distribution kept at offset %d (sampling with want_q is off)", offset);
+    memcpy(out, q, sizeof(double) * (size_t)d->cfg.vocab);
+    return 0;
+}
+
+/* Ask a running asynchronous proposal to stop after its current forward (its result is
+ * then not wanted: the round did not accept everything).  spel_draft_wait returns
+ * SPEL_CANCELLED for a proposal that stopped early; the batch before its offset stays. */
+int spel_draft_cancel(spel_draft *d) {
+    if (!d->ahead.busy) return fail(d, "cancel: no asynchronous proposal was started");
+    __atomic_store_n(&d->ahead.cancel, 1, __ATOMIC_RELAXED);
     return 0;
 }

@@ -87,6 +87,10 @@ int spel_draft_propose_at(spel_draft *d, int32_t pending, int k, int start, int 
  * (+1 with guess) tokens.  In between, every other call on d fails ("wait first"). */
 int spel_draft_propose_at_async(spel_draft *d, int32_t pending, int k, int start, int guess);
 int spel_draft_wait(spel_draft *d, int32_t *out_tokens);
+/* stop a running asynchronous proposal after its current forward; its wait then
+ * returns SPEL_CANCELLED (if it had not finished) and the batch before its offset stays */
+enum { SPEL_CANCELLED = -7 };
+int spel_draft_cancel(spel_draft *d);
 int spel_draft_commit(spel_draft *d, int n);
 /* commit n and keep the rest of the last batch uncommitted (shifted to offset 0) */
 int spel_draft_commit_keep(spel_draft *d, int n);
@@ -96,9 +100,44 @@ int spel_draft_kernel(const spel_draft *d);
 int spel_draft_threads(const spel_draft *d);
 int64_t spel_draft_packed_bytes(const spel_draft *d, int which);  /* 0 q8, 1 ternary */
 
+/* --- sampling (neon/sampling.c; the numpy reference is spel_mlx.decoding.sampling) --- */
+typedef struct {
+    double temperature;   /* 0: the argmax of the penalized logits */
+    double top_p;         /* 1 = off */
+    double penalty;       /* repetition penalty, 1 = off */
+    int top_k;            /* 0 = off */
+    int window;           /* how many recent tokens the penalty sees */
+    uint64_t seed;        /* of the noise stream */
+} spel_sampling;
+
+/* The noise stream: 64 bits of (seed, sequence index, slot), a uniform in (0, 1) from
+ * them, and the Gumbel noise -log(-log(u)) of token `token` at sequence index `index`.
+ * Slots >= 0 are token ids; negative slots are per-index uniforms (the residual rule). */
+uint64_t spel_noise_bits(uint64_t seed, int64_t index, int64_t slot);
+double spel_noise_uniform(uint64_t seed, int64_t index, int64_t slot);
+double spel_noise_gumbel(uint64_t seed, int64_t index, int32_t token);
+
 /* The sampling distribution of one position (float64, sums to 1): repetition penalty
  * on the distinct tokens of recent[0..n_recent), temperature (> 0), top-k (0 = off),
- * top-p (1 = off); the numpy reference is spel_mlx.sampling.probabilities.
- * Returns 0, -1 for a bad parameter, -2 out of memory. */
+ * top-p (1 = off).  Returns 0, -1 for a bad parameter, -2 out of memory. */
 int spel_sample_probs(const float *logits, int V, const int32_t *recent, int n_recent, double penalty,
                       double temperature, int top_k, double top_p, double *out);
+
+/* M positions at once.  Row j of logits [M][V] is the position of sequence index
+ * index0 + j; its penalty sees seq[max(0, n_ctx + j - window) .. n_ctx + j) (seq: the
+ * context, then the tokens of rows 0..M-2).  tokens[j] (or NULL): the coupled sample,
+ * argmax over the support of logit/T + Gumbel(seed, index0 + j, token); probs [M][V] (or
+ * NULL): the distributions.  Returns 0, -1 bad parameter, -2 out of memory, -3 a row
+ * without a finite logit. */
+int spel_sample_rows(const float *logits, int M, int V, const int32_t *seq, int n_ctx, int64_t index0,
+                     const spel_sampling *s, int32_t *tokens, double *probs);
+
+/* The draft samples its proposals (the coupled choice above) instead of taking the
+ * argmax: s NULL switches back to argmax; want_q keeps each proposal's distribution
+ * (spel_draft_probs).  set_context gives, once per proposal, the tokens before its
+ * pending token (the penalty's window is taken from their end) and that token's
+ * sequence index. */
+int spel_draft_set_sampling(spel_draft *d, const spel_sampling *s, int want_q);
+int spel_draft_set_context(spel_draft *d, const int32_t *ctx, int n, int64_t index);
+/* the distribution the token at batch offset `offset` was sampled from ([V]) */
+int spel_draft_probs(spel_draft *d, int offset, double *out);

@@ -55,4 +55,16 @@ void spel_qgemv(spel_pool *pool, int kernel, const spel_qmat *m0, float *y0,
 void spel_fgemv(spel_pool *pool, const float *w, int64_t rows, int64_t cols, const float *x, float *y);
 float spel_dot_f32(const float *a, const float *b, int64_t n);
 
+/* The draft's sampler (sampling.c): parameters, the context before the proposal, the
+ * distributions of its batch offsets. */
+typedef struct spel_sampler spel_sampler;
+spel_sampler *spel_sampler_new(int V, int R);
+void spel_sampler_free(spel_sampler *sm);
+int spel_sampler_configure(spel_sampler *sm, const spel_sampling *s, int want_q);
+int spel_sampler_on(const spel_sampler *sm);
+void spel_sampler_context(spel_sampler *sm, const int32_t *ctx, int n, int64_t index);
+int32_t spel_sampler_pick(spel_sampler *sm, const float *logits, int32_t pending, const int32_t *out, int j,
+                          int offset);
+const double *spel_sampler_q(const spel_sampler *sm, int offset);
+
 #endif

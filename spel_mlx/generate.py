@@ -51,7 +51,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--draft-threads", type=int, default=None,
                     help="C draft worker threads 1..6 (default SPEL_DRAFT_THREADS or 1)")
     ap.add_argument("--draft-ahead", choices=("auto", "on", "off"), default="auto",
-                    help="greedy C draft: draft the next round on another core while the target "
+                    help="C draft: draft the next round on another core while the target "
                          "verifies (default auto: on with 2+ CPUs and 1 draft thread)")
     ap.add_argument("--temperature", type=float, default=DEFAULT_TEMPERATURE,
                     help=f"0 = exact greedy (default {DEFAULT_TEMPERATURE})")
@@ -61,6 +61,11 @@ def build_parser() -> argparse.ArgumentParser:
                     help=f"1 = off; applied identically to draft and target (default "
                          f"{DEFAULT_REPETITION_PENALTY} when sampling, 1 with --temperature 0)")
     ap.add_argument("--seed", type=int, default=None, help="sampling seed (runs are reproducible)")
+    ap.add_argument("--accept", choices=("coupled", "residual"), default="coupled",
+                    help="lossless rule of sampled speculation: coupled (draft and target sample "
+                         "with the same per-position noise; the output equals --mode ar's for the "
+                         "same seed) or residual (accept min(1, p/q), resample the residual) "
+                         "(default coupled)")
     ap.add_argument("--checkpoint", help="SPELW001 file or safetensors model folder "
                                          "(default SPEL_WEIGHTS, else the shipped model)")
     ap.add_argument("--tokenizer", help="SentencePiece model (default: beside the checkpoint, "
@@ -186,6 +191,7 @@ def make_request(args, mode, forced_alpha, model, tok, text, stderr):
     try:
         request = prepare(model, tok, prompt, args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                           top_k=args.top_k, repetition_penalty=args.repetition_penalty, seed=args.seed,
+                          accept=args.accept,
                           mode=mode, draft=draft, k=k, governor=gov, strict=args.strict,
                           draft_threads=args.draft_threads, draft_ahead=args.draft_ahead,
                           forced_alpha=forced_alpha)
@@ -265,6 +271,7 @@ def run(argv=None, stdout=None, stderr=None) -> int:
                   "vocab": model.cfg.vocab, "temperature": request.params.temperature,
                   "top_p": request.params.top_p, "top_k": request.params.top_k,
                   "repetition_penalty": request.params.repetition_penalty, "seed": request.params.seed,
+                  "accept": request.params.accept,
                   "draft_threads": request.decoding.draft_threads})
         if forced_alpha is not None:
             d["forced_alpha"] = forced_alpha

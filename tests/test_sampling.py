@@ -108,16 +108,16 @@ def _emitted_chi2(p, draft_q, rule, seed):
     counts = np.zeros(p.shape[0])
     for i in range(N_DRAWS):
         q = draft_q(i)
-        ok, tok = rule(p, q, smp.draw(q, rng), rng)
+        ok, tok = rule(p, q, smp.draw(q, rng), rng.random(), rng.random())
         counts[tok] += 1
     return chi2_stat(counts, p)
 
 
-def _wrong_rule(p, q, token, rng):
+def _wrong_rule(p, q, token, u_accept, u_draw):
     # resampling from p instead of the residual is biased (it double-counts q's mass)
-    if rng.random() < min(1.0, p[token] / q[token]):
+    if u_accept < min(1.0, p[token] / q[token]):
         return True, token
-    return False, smp.draw(p, rng)
+    return False, smp.draw_at(p, u_draw)
 
 
 def _cases():
@@ -162,7 +162,7 @@ def test_acceptance_rate_is_overlap():
     acc = 0
     for _ in range(N_DRAWS):
         d = smp.draw(q, rng)
-        ok, _ = smp.accept_or_resample(p, q, d, rng)
+        ok, _ = smp.accept_or_resample(p, q, d, rng.random(), rng.random())
         acc += ok
     expect = np.minimum(p, q).sum()
     sd = math.sqrt(expect * (1 - expect) / N_DRAWS)

@@ -27,7 +27,7 @@ class DecodeSettings:
     k: int | None = None               # proposals per round (None: the config's spec_k)
     strict: bool = False
     draft_threads: int | None = None   # C draft workers (None: SPEL_DRAFT_THREADS, else 1)
-    draft_ahead: str = "auto"          # greedy C draft drafts the next round during verification
+    draft_ahead: str = "auto"          # the C draft drafts the next round during verification
     governor: GovernorConfig | None = None
     forced_alpha: float | None = None
 
@@ -83,7 +83,7 @@ def _proposer(loaded, settings: DecodeSettings, k: int, params):
     threads = settings.draft_threads or default_draft_threads()
     ahead = settings.draft_ahead == "on" or (settings.draft_ahead == "auto" and (os.cpu_count() or 1) >= 2
                                              and threads == 1)
-    ahead = ahead and params.greedy and not params.uses_penalty and kind in ("c", "auto")
+    ahead = ahead and kind in ("c", "auto")
     key = (kind, k, threads, ahead, settings.strict)
     cache = loaded.drafts
     if key in cache:

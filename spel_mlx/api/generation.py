@@ -137,7 +137,7 @@ class Request:
 
 def prepare(model, tokenizer, prompt, max_tokens: int = DEFAULT_MAX_TOKENS, *,
             temperature: float = DEFAULT_TEMPERATURE, top_p: float = DEFAULT_TOP_P, top_k: int = 0,
-            repetition_penalty: float | None = None, seed: int | None = None, stop=None,
+            repetition_penalty: float | None = None, seed: int | None = None, accept: str = "coupled", stop=None,
             mode: str = "spec", draft=None, k: int | None = None, governor=None,
             strict: bool = False, draft_threads: int | None = None, draft_ahead: str = "auto",
             forced_alpha: float | None = None) -> Request:
@@ -158,7 +158,7 @@ def prepare(model, tokenizer, prompt, max_tokens: int = DEFAULT_MAX_TOKENS, *,
     if repetition_penalty is None:  # temperature 0 alone means exact greedy
         repetition_penalty = 1.0 if temperature == 0 else DEFAULT_REPETITION_PENALTY
     params = engine.SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p,
-                                   repetition_penalty=repetition_penalty, seed=seed)
+                                   repetition_penalty=repetition_penalty, seed=seed, accept=accept)
     settings = engine.DecodeSettings(mode=mode, draft=draft, k=k, strict=strict, draft_threads=draft_threads,
                                      draft_ahead=draft_ahead, governor=governor, forced_alpha=forced_alpha)
     try:
@@ -178,7 +178,8 @@ def stream_generate(model, tokenizer, prompt, max_tokens: int = DEFAULT_MAX_TOKE
 
     prompt: a string or token ids.  Sampling: temperature (0 = exact greedy; default
     0.7), top_p (0.95), top_k (0 = off), repetition_penalty (1.1 when sampling, 1.0 at
-    temperature 0), seed (same seed, same text), stop (strings that end the output,
+    temperature 0), seed (same seed, same text), accept ("coupled" or "residual": the
+    lossless rule of sampled speculation), stop (strings that end the output,
     not included).  Decoding: mode ("spec", "ar", "governed"), draft ("c", "mlx",
     "ngram", "auto"; default the C draft when built), k (proposals per round),
     governor (a GovernorConfig), strict, draft_threads, draft_ahead ("auto", "on",

@@ -47,8 +47,8 @@ class AutoProposer(Proposer):
     def sync(self, history):
         self.fallback.sync(history)
 
-    def propose(self, history, pending, k, params, rng):
-        toks, qs = self.ngram.propose(history, pending, k, params, rng)
+    def propose(self, history, pending, k, params, seed):
+        toks, qs = self.ngram.propose(history, pending, k, params, seed)
         if toks:
             self.used_ngram += 1
             self._pending_commit = None
@@ -60,7 +60,7 @@ class AutoProposer(Proposer):
             return [], None
         self.used_model += 1
         self._pending_commit = self.fallback
-        toks, qs = self.fallback.propose(history, pending, k, params, rng)
+        toks, qs = self.fallback.propose(history, pending, k, params, seed)
         self._proposed = len(toks)
         return toks, qs
 

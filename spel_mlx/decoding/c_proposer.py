@@ -2,12 +2,13 @@
 plainly, or drafting the next round while the target verifies this one."""
 from __future__ import annotations
 
-from .proposer import Proposer, propose_stepwise
+from .proposer import Proposer, wants_qs
 
 
 class CDraftProposer(Proposer):
-    """Greedy proposals through the C ``propose`` (k+1 forwards in one call); sampling
-    and the repetition penalty one forward at a time, continuing the uncommitted batch."""
+    """Proposals through the C ``propose`` (k+1 forwards in one call, no commit): the
+    argmax, or for sampling and the repetition penalty the C draft's own coupled
+    samples (docs/decoding.md), with the penalty's window given once per proposal."""
 
     name = "c"
 
@@ -16,6 +17,7 @@ class CDraftProposer(Proposer):
         self.ring = max(2, int(getattr(cdraft, "ring", 2)))
         self.forwards = 0
         self._base = int(cdraft.pos)
+        self._sampling = None          # (params, seed) the C draft samples with, None: argmax
 
     @property
     def threads(self):
@@ -37,16 +39,34 @@ class CDraftProposer(Proposer):
             self.cdraft.commit(len(chunk))
             self.forwards += len(chunk)
 
-    def propose(self, history, pending, k, params, rng):
+    def _configure(self, params, seed) -> bool:
+        """The C draft samples for sampling params or a penalty (argmax otherwise);
+        returns whether it samples."""
+        key = None if params.greedy and not params.uses_penalty else (params, seed)
+        if key != self._sampling:
+            if key is None:
+                self.cdraft.set_sampling(None)
+            else:
+                self.cdraft.set_sampling(params.temperature, params.top_p, params.repetition_penalty,
+                                         params.top_k, params.window, seed, want_q=wants_qs(params))
+            self._sampling = key
+        return key is not None
+
+    def _context(self, params, tokens, index):
+        """The context before a sampled proposal's pending token (at sequence index `index`)."""
+        W = params.window
+        self.cdraft.set_context(tokens[-W:] if W else (), index)
+
+    def _qs(self, params, start, k):
+        return [self.cdraft.probs(start + j) for j in range(k)] if wants_qs(params) else None
+
+    def propose(self, history, pending, k, params, seed):
         self.sync(history)
-        if params.greedy and not params.uses_penalty:
-            toks = [int(t) for t in self.cdraft.propose(int(pending), k)]
-            self.forwards += k + 1
-            return toks, None
-        tokens, qs = propose_stepwise(lambda tok, j: self.cdraft.forward([tok], start=j)[0],
-                                      history, pending, k, params, rng)
+        if self._configure(params, seed):
+            self._context(params, history, len(history))
+        toks = [int(t) for t in self.cdraft.propose(int(pending), k)]
         self.forwards += k + 1
-        return tokens, qs
+        return toks, self._qs(params, 0, k)
 
     def commit(self, n: int):
         self.cdraft.commit(n)
@@ -58,29 +78,35 @@ class CDraftProposer(Proposer):
 class CDraftAheadProposer(CDraftProposer):
     """The C draft drafting the next round on its own native thread while the target verifies.
 
-    Plain greedy only (anything else runs as CDraftProposer).  With a round's proposal
-    [p, d_0..d_{K-1}] the draft also guesses g, the token after d_{K-1}; during the
-    verification it proposes [g, e_0..e_{K-1}] continuing its uncommitted batch, as if
-    all K were accepted and the correction were g.  If that happens, the commit keeps
-    the continuation and the next proposal costs nothing; otherwise committing n+1
-    drops it.  The tokens are CDraftProposer's (the draft is deterministic); the ring
-    holds 2K+2.  The thread is the C module's own: a Python thread would first wait for
-    the GIL, which the target's pass holds.  ``draft_s`` (and c) counts only the draft
-    work left on the critical path.  docs/decoding.md, "Drafting ahead".
+    With a round's proposal [p, d_0..d_{K-1}] the draft also guesses g, its own choice
+    of the token after d_{K-1} (greedy: its argmax; sampling: its coupled sample there,
+    which with coupled noise is the target's token wherever the two distributions agree);
+    during the verification it proposes [g, e_0..e_{K-1}] continuing its uncommitted
+    batch, as if all K were accepted and the correction were g.  If that happens, the
+    commit keeps the continuation and the next proposal costs nothing; otherwise
+    committing n+1 drops it.  The tokens are CDraftProposer's (the same proposals from
+    the same context and noise); the ring holds 2K+2.  The thread is the C module's own: a
+    Python thread would first wait for the GIL, which the target's pass holds.
+    ``draft_s`` (and c) counts only the draft work left on the critical path.
+    docs/decoding.md, "Drafting ahead".
     """
 
     def __init__(self, cdraft):
         super().__init__(cdraft)
         self._running = False
-        self._ready = None          # (expected pending, proposal, guess) of a kept continuation
+        self._ready = None          # (expected pending, proposal, guess, qs) of a kept continuation
         self._k = 0
         self._guess = None
+        self._params = None
         self.hits = self.misses = 0
 
-    def _join(self):
+    def _join(self, wanted: bool = True):
+        """The continuation's tokens (None if there is none); not `wanted`: stop it early."""
         if not self._running:
             return None
         self._running = False
+        if not wanted:
+            self.cdraft.cancel()
         return self.cdraft.wait()
 
     def reset(self):
@@ -89,36 +115,45 @@ class CDraftAheadProposer(CDraftProposer):
         self.hits = self.misses = 0
         super().reset()
 
-    def propose(self, history, pending, k, params, rng):
+    def propose(self, history, pending, k, params, seed):
         self._join()
-        if not (params.greedy and not params.uses_penalty) or 2 * k + 2 > self.ring:
+        if 2 * k + 2 > self.ring:
             self._ready = None              # a kept continuation is overwritten by the new batch
-            return super().propose(history, pending, k, params, rng)
+            return super().propose(history, pending, k, params, seed)
+        sampled = self._configure(params, seed)
         ready, self._ready = self._ready, None
         # a kept continuation is valid only right after its round: same pending, same K,
         # and no tokens committed meanwhile without this draft (auto's n-gram rounds)
         if ready is not None and ready[0] == int(pending) and len(ready[1]) == k and \
                 self.pos == len(history):
-            proposal, guess = ready[1], ready[2]         # drafted during the last verify
+            _, proposal, guess, qs = ready              # drafted during the last verify
             self.hits += 1
         else:
             if ready is not None:
                 self.misses += 1                         # the fresh batch below overwrites it
             self.sync(history)
+            if sampled:
+                self._context(params, history, len(history))
             toks = self.cdraft.propose_at(int(pending), k, 0, guess=True)
             proposal, guess = toks[:k], toks[k]
+            qs = self._qs(params, 0, k)
             self.forwards += k + 1
-        self._k, self._guess = k, guess
+        self._k, self._guess, self._params = k, guess, params
         if int(self.cdraft.pos) + 2 * k + 2 <= self.cdraft.cfg.max_seq:   # the continuation's positions fit
+            if sampled:   # its pending token g sits at sequence index len(history) + k + 1
+                W = params.window
+                tail = (list(history[-W:]) if W else []) + [int(pending)] + proposal
+                self._context(params, tail, len(history) + k + 1)
             self.cdraft.propose_at_async(guess, k, k + 1, True)
             self._running = True
-        return proposal, None
+        return proposal, qs
 
     def commit(self, n: int):
-        ahead = self._join()
+        ahead = self._join(wanted=n == self._k + 1)     # a round that rejected: drop it at once
         if ahead is not None and n == self._k + 1:
+            qs = self._qs(self._params, self._k + 1, self._k)   # before the offsets shift
             self.cdraft.commit_keep(n)                   # keep [g, e_0..e_{K-1}] pending
-            self._ready = (self._guess, ahead[:self._k], ahead[self._k])
+            self._ready = (self._guess, ahead[:self._k], ahead[self._k], qs)
             self.forwards += self._k + 1
         else:
             self.cdraft.commit(n)                        # drops the continuation

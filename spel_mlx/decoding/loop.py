@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 import numpy as np
 
+from . import noise
 from . import sampling as smp
 from .governor import Governor, GovernorConfig
 from .proposer import Proposer
@@ -111,7 +112,7 @@ class SpeculativeDecoder:
         prompt = checked_prompt(prompt, max_tokens, self.cfg)
         max_seq = self.cfg.max_seq
         stop_set = set(int(t) for t in stop_tokens)
-        rng = smp.make_rng(self.params.seed)
+        seed = self.seed = noise.seed64(self.params.seed)    # this call's noise stream
         gov = Governor(self.governor_cfg) if self.mode == "governed" else None
         proposer = self.proposer
         st = self.stats = DecodeStats(mode=self.mode, draft=(proposer.name if proposer else "none"),
@@ -141,8 +142,8 @@ class SpeculativeDecoder:
                 k = self._round_k(pos, max_tokens - len(out))
                 proposal, qs = [], None
                 if k > 0 and (gov is None or gov.drafting):
-                    proposal, qs = self._propose(history, pending, k, rng)
-                n, correction = self._verify(history, pending, proposal, qs, rng)
+                    proposal, qs = self._propose(history, pending, k, seed)
+                n, correction = self._verify(history, pending, proposal, qs, seed)
                 self._commit(n, len(proposal), gov)
                 history.extend(([pending] + proposal)[:n + 1])
                 emitted, stop = self._emitted(proposal[:n] + [correction], stop_set, max_tokens - len(out))
@@ -182,16 +183,22 @@ class SpeculativeDecoder:
             k = min(k, remaining - 1)
         return k
 
-    def _propose(self, history, pending, k, rng):
+    def _propose(self, history, pending, k, seed):
         """Step 1 (timed as draft work)."""
         ta = time.perf_counter()
-        proposal, qs = self.proposer.propose(history, pending, k, self.params, rng)
+        proposal, qs = self.proposer.propose(history, pending, k, self.params, seed)
         self.stats.draft_s += time.perf_counter() - ta
         self.stats.draft_forwards = self.proposer.forwards
         return proposal, qs
 
-    def _verify(self, history, pending, proposal, qs, rng):
-        """Steps 2 and 3: one target batch over [pending] + proposal; (n, correction)."""
+    def _verify(self, history, pending, proposal, qs, seed):
+        """Steps 2 and 3: one target batch over [pending] + proposal; (n, correction).
+
+        The target's token of each row: the argmax, or (sampling, or a penalty) the
+        coupled sample of the row's distribution at its sequence index, all rows in one
+        step (sampling.sample_rows).  Coupled rule and greedy: n is the longest prefix
+        where the proposal equals those tokens.  Residual rule: sampling.residual_round,
+        the target's own sample after an all-accepted round."""
         params, st = self.params, self.stats
         m = len(proposal)
         ta = time.perf_counter()
@@ -199,7 +206,7 @@ class SpeculativeDecoder:
         if params.greedy and not params.uses_penalty:
             targ, rows = mx.argmax(logits, axis=-1).tolist(), None
         else:
-            targ, rows = None, np.array(logits)
+            rows = np.array(logits)
         dt = time.perf_counter() - ta
         if m:
             st.verify_s += dt
@@ -207,38 +214,23 @@ class SpeculativeDecoder:
         else:
             st.ar_s += dt
             st.ar_rounds += 1
-        if not params.greedy:
-            return self._sample_round(rows, history, pending, proposal, qs, rng)
-        if targ is None:   # greedy with a repetition penalty: each row sees its own history
-            ctx = history + [pending]
-            targ = []
-            for j in range(m + 1):
-                targ.append(smp.greedy_token(rows[j], ctx, params))
-                if j < m:
-                    ctx.append(proposal[j])
+        probs = None
+        if rows is not None:
+            W = params.window
+            ctx = (history[-W:] if W else []) + [pending]
+            residual = params.accept == "residual" and not params.greedy and m and self.mode != "forced"
+            targ, probs = smp.sample_rows(rows, ctx + proposal, len(ctx), len(history) + 1, params, seed,
+                                          want_probs=bool(residual))
+        if self.mode == "forced" and m:
+            n = self._forced_n(m)
+            return n, targ[n]
+        if probs is not None:
+            n, fix = smp.residual_round(probs, qs, proposal, seed, len(history) + 1)
+            return n, (targ[n] if fix is None else fix)
         n = 0
         while n < m and proposal[n] == targ[n]:
             n += 1
-        if self.mode == "forced" and m:
-            n = self._forced_n(m)
         return n, targ[n]
-
-    def _sample_round(self, rows, history, pending, proposal, qs, rng):
-        """Step 3 when sampling: the residual rule (sampling.accept_or_resample)."""
-        params = self.params
-        ctx = history + [pending]
-        m = len(proposal)
-        if self.mode == "forced" and m:
-            n = self._forced_n(m)
-            ctx.extend(proposal[:n])
-            return n, smp.draw(smp.probabilities(rows[n], ctx, params), rng)
-        for j in range(m):
-            p = smp.probabilities(rows[j], ctx, params)
-            ok, tok = smp.accept_or_resample(p, qs[j], proposal[j], rng)
-            if not ok:
-                return j, tok
-            ctx.append(proposal[j])
-        return m, smp.draw(smp.probabilities(rows[m], ctx, params), rng)
 
     def _forced_n(self, m: int) -> int:
         """Forced acceptance (benchmark only): the accepted count that keeps the running

@@ -36,7 +36,7 @@ class MLXProposer(Proposer):
             self.pos += len(chunk)
             self.forwards += len(chunk)
 
-    def propose(self, history, pending, k, params, rng):
+    def propose(self, history, pending, k, params, seed):
         self.sync(history)
         if params.greedy and not params.uses_penalty:
             tokens = self._propose_argmax(pending, k)
@@ -48,7 +48,7 @@ class MLXProposer(Proposer):
                     mx.eval(logits)
                     return None
                 return np.array(logits)
-            tokens, qs = propose_stepwise(step, history, pending, k, params, rng)
+            tokens, qs = propose_stepwise(step, history, pending, k, params, seed)
         self.forwards += k + 1
         return tokens, qs
 

@@ -11,7 +11,7 @@ O(max_n) dictionary probes, not a scan of the context.
 from __future__ import annotations
 
 from . import sampling as smp
-from .proposer import Proposer
+from .proposer import Proposer, wants_qs
 
 
 class NgramIndex:
@@ -91,13 +91,13 @@ class NgramProposer(Proposer):
         if len(toks) == len(history):
             self.index.append(int(pending))
 
-    def propose(self, history, pending, k, params, rng):
+    def propose(self, history, pending, k, params, seed):
         self._sync(history, pending)
         self.lookups += 1
         toks = self.index.lookup(k)
         if toks:
             self.hits += 1
-        qs = None if params.greedy else [smp.one_hot(t, self.vocab) for t in toks]
+        qs = [smp.one_hot(t, self.vocab) for t in toks] if wants_qs(params) else None
         return list(toks), qs
 
     def extra_stats(self) -> dict:

@@ -8,15 +8,19 @@ builds them by name.
 """
 from __future__ import annotations
 
+import numpy as np
+
 from . import sampling as smp
 
 
 class Proposer:
     """Protocol of a draft, with the defaults of a stateless one.
 
-    `propose(history, pending, k, params, rng)` -> (tokens, qs): up to k proposals
-    continuing history + [pending]; `qs` is None for greedy params, otherwise the
-    list of draft distributions the proposals were drawn from.  A stateful proposer
+    `propose(history, pending, k, params, seed)` -> (tokens, qs): up to k proposals
+    continuing history + [pending]; `seed` is the call's noise seed (sampled proposals
+    are the coupled samples of the draft's distributions, docs/decoding.md); `qs` is the
+    list of the draft distributions the proposals were drawn from under the residual
+    rule (``params.accept``), else None.  A stateful proposer
     runs k+1 forwards ([pending, d_0..d_{k-1}]) and keeps them uncommitted;
     `commit(n)` then keeps the first n of those positions.  `history` is what
     the target has committed; a proposer that fell behind (governor AR rounds,
@@ -33,7 +37,7 @@ class Proposer:
     def sync(self, history):
         pass
 
-    def propose(self, history, pending, k, params, rng):
+    def propose(self, history, pending, k, params, seed):
         raise NotImplementedError
 
     def commit(self, n: int):
@@ -47,26 +51,31 @@ class Proposer:
         return {}
 
 
-def propose_stepwise(forward, history, pending, k, params, rng):
+def wants_qs(params) -> bool:
+    """Whether proposals must come with their distributions (the residual rule)."""
+    return params.accept == "residual" and not params.greedy
+
+
+def propose_stepwise(forward, history, pending, k, params, seed):
     """(tokens, qs) drafted one forward at a time, for sampling or a repetition penalty.
 
     `forward(token, j)` runs `token` at offset j of the round's uncommitted batch and
     returns its logits (numpy [V]).  Each position sees history + [pending] + d_<j,
-    as the target's row j will.  The (k+1)-th forward only makes the draft's state
-    cover d_{k-1}; its logits are unused."""
-    ctx = list(history) + [pending]
-    tokens, qs = [], (None if params.greedy else [])
+    as the target's row j will, and d_j is the coupled sample at sequence index
+    len(history) + 1 + j (sampling.sample_rows).  The (k+1)-th forward only makes the
+    draft's state cover d_{k-1}; its logits are unused."""
+    W = params.window
+    ctx = (list(history[-W:]) if W else []) + [int(pending)]
+    tokens, qs = [], ([] if wants_qs(params) else None)
     tok = int(pending)
     for j in range(k + 1):
         logits = forward(tok, j)
         if j == k:
             break
-        if params.greedy:
-            tok = smp.greedy_token(logits, ctx, params)
-        else:
-            q = smp.probabilities(logits, ctx, params)
-            tok = smp.draw(q, rng)
-            qs.append(q)
+        (tok,), probs = smp.sample_rows(np.asarray(logits)[None], ctx, len(ctx), len(history) + 1 + j, params,
+                                        seed, want_probs=qs is not None)
+        if qs is not None:
+            qs.append(probs[0])
         ctx.append(tok)
         tokens.append(tok)
     return tokens, qs

@@ -1,5 +1,5 @@
-"""Token selection: greedy, temperature / top-k / top-p / repetition penalty,
-and the lossless speculative-sampling acceptance rule.
+"""Token selection: greedy, temperature / top-k / top-p / repetition penalty, the
+coupled choice of a position's token, and the lossless residual rule.
 
 Everything here works on one position's logits (vocabularies are small), so
 draft and target distributions go through exactly the same code: the same
@@ -7,10 +7,14 @@ draft and target distributions go through exactly the same code: the same
 C transforms of neon/sampling.c that follow it step for step).  That is what
 keeps speculative sampling lossless when a repetition penalty is on.
 
-Speculative sampling (Leviathan et al. / Chen et al.): the draft samples d from
-q; the target accepts it with probability min(1, p(d)/q(d)); on rejection the
-replacement is drawn from normalize(max(0, p - q)).  The emitted token is then
-distributed exactly as p.
+Two lossless rules (``SamplingParams.accept``, docs/decoding.md):
+* coupled (default): the token at sequence index i is argmax over the support of
+  logit/T + g(seed, i, token), Gumbel noise from the per-position stream (noise.py);
+  draft and target use the same noise, a proposal is accepted when it equals the
+  target's token, so every emitted token is the target's own sample;
+* residual (Leviathan et al. / Chen et al.): the draft samples d from q; the target
+  accepts it with probability min(1, p(d)/q(d)); on rejection the replacement is
+  drawn from normalize(max(0, p - q)).  The emitted token is then distributed as p.
 """
 from __future__ import annotations
 
@@ -19,6 +23,9 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..native import clib
+from . import noise
+
+ACCEPT_RULES = ("coupled", "residual")
 
 
 class SamplingError(ValueError):
@@ -33,6 +40,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0  # 1 = off; CTRL-style: positive logits / r, negative * r
     repetition_window: int = 64     # how many recent tokens the penalty looks at
     seed: int | None = None
+    accept: str = "coupled"         # the lossless rule of sampled speculation: ACCEPT_RULES
 
     def validate(self) -> "SamplingParams":
         if not (self.temperature >= 0.0) or not np.isfinite(self.temperature):
@@ -48,6 +56,8 @@ class SamplingParams:
         # checked here: a negative seed only fails later, deep inside numpy's SeedSequence
         if self.seed is not None and (not isinstance(self.seed, (int, np.integer)) or self.seed < 0):
             raise SamplingError(f"seed={self.seed!r}: must be an integer >= 0")
+        if self.accept not in ACCEPT_RULES:
+            raise SamplingError(f"accept={self.accept!r}: expected one of {', '.join(ACCEPT_RULES)}")
         return self
 
     @property
@@ -58,12 +68,17 @@ class SamplingParams:
     def uses_penalty(self) -> bool:
         return self.repetition_penalty != 1.0 and self.repetition_window > 0
 
+    @property
+    def window(self) -> int:
+        """How many recent tokens the penalty sees (0 without a penalty)."""
+        return self.repetition_window if self.uses_penalty else 0
+
 
 GREEDY = SamplingParams()
 
 
 def make_rng(seed: int | None) -> np.random.Generator:
-    """The one RNG a decoding call uses (draft draws, accept tests, residual draws)."""
+    """A numpy generator (tests and benchmarks; decoding draws from the noise stream)."""
     return np.random.Generator(np.random.PCG64(seed))
 
 
@@ -131,7 +146,7 @@ def probabilities_reference(logits, history, params: SamplingParams) -> np.ndarr
         p = np.zeros(V)
         p[int(np.argmax(z))] = 1.0
         return p
-    z = z / params.temperature
+    z = z * (1.0 / params.temperature)
     if params.top_k and params.top_k < V:
         # keep the k largest; ties at the boundary are kept (stable, order-free)
         kth = np.partition(z, V - params.top_k)[V - params.top_k]
@@ -175,9 +190,13 @@ def _descending_mass(p: np.ndarray, need: float):
 
 def draw(p: np.ndarray, rng: np.random.Generator) -> int:
     """One draw from a normalized distribution by inverse CDF (one uniform)."""
+    return draw_at(p, rng.random())
+
+
+def draw_at(p: np.ndarray, u: float) -> int:
+    """The token of a normalized distribution at uniform u in [0, 1) (inverse CDF)."""
     c = np.cumsum(p)
-    u = rng.random() * c[-1]
-    i = int(np.searchsorted(c, u, side="right"))
+    i = int(np.searchsorted(c, u * c[-1], side="right"))
     return min(i, p.shape[0] - 1)
 
 
@@ -190,20 +209,79 @@ def residual(p: np.ndarray, q: np.ndarray) -> np.ndarray:
     return r / s
 
 
-def accept_or_resample(p: np.ndarray, q: np.ndarray, token: int,
-                       rng: np.random.Generator) -> tuple:
-    """Speculative sampling test for one drafted `token` ~ q against target p.
-
-    Returns (True, token) on acceptance, else (False, replacement ~ residual).
-    Consumes one uniform for the test and, on rejection, one for the draw.
-    """
+def accept_or_resample(p: np.ndarray, q: np.ndarray, token: int, u_accept: float, u_draw: float) -> tuple:
+    """The residual rule for one drafted `token` ~ q against target p, with the two
+    uniforms it may use: (True, token) on acceptance, else (False, replacement ~ residual)."""
     qt = q[token]
-    pt = p[token]
-    if qt <= 0.0:  # the draft could not have drawn it; treat as a rejection
-        return False, draw(residual(p, q), rng)
-    if rng.random() < min(1.0, pt / qt):
+    if qt > 0.0 and u_accept < min(1.0, p[token] / qt):
         return True, token
-    return False, draw(residual(p, q), rng)
+    return False, draw_at(residual(p, q), u_draw)    # qt = 0: the draft could not have drawn it
+
+
+def residual_round(probs, qs, proposal, seed: int, index0: int):
+    """The residual rule along a round: (n accepted, the correction), or (m, None) when
+    all m were accepted (the caller takes the target's own sample of the next row).
+    Proposal j sits at sequence index index0 + j; its uniforms are the stream's there."""
+    for j, tok in enumerate(proposal):
+        ok, fix = accept_or_resample(probs[j], qs[j], tok, noise.uniform(seed, index0 + j, noise.ACCEPT),
+                                     noise.uniform(seed, index0 + j, noise.DRAW))
+        if not ok:
+            return j, fix
+    return len(proposal), None
+
+
+# --- the rows of a round at once -------------------------------------------------
+
+_C_ROWS = clib.lib if clib.lib is not None and hasattr(clib.lib, "spel_sample_rows") else None
+
+
+def sample_rows(rows, seq, n_ctx: int, index0: int, params: SamplingParams, seed: int,
+                want_probs: bool = False):
+    """(tokens, probs) of M positions in one step: row j of `rows` [M, V] is the position
+    of sequence index index0 + j, and its penalty sees the window of seq[:n_ctx + j]
+    (seq: the context, then the tokens of rows 0..M-2).  tokens[j] is the coupled sample
+    (temperature 0: the argmax of the penalized logits); probs [M, V] the distributions
+    (want_probs).  The C transforms for float32 rows, else ``sample_rows_reference``."""
+    rows = np.asarray(rows)
+    if _C_ROWS is None or rows.dtype != np.float32:
+        return sample_rows_reference(rows, seq, n_ctx, index0, params, seed, want_probs)
+    ffi = clib.ffi
+    rows = np.ascontiguousarray(rows)
+    M, V = rows.shape
+    sq = np.asarray(seq, dtype=np.int32) if len(seq) else np.zeros(1, np.int32)
+    toks = np.empty(M, np.int32)
+    probs = np.empty((M, V), np.float64) if want_probs else None
+    cp = ffi.new("spel_sampling *", dict(temperature=params.temperature, top_p=params.top_p,
+                                         penalty=params.repetition_penalty, top_k=params.top_k,
+                                         window=params.window, seed=seed & noise._MASK))
+    rc = _C_ROWS.spel_sample_rows(ffi.from_buffer("float[]", rows), M, V, ffi.from_buffer("int32_t[]", sq),
+                                  int(n_ctx), int(index0), cp, ffi.from_buffer("int32_t[]", toks),
+                                  ffi.from_buffer("double[]", probs) if want_probs else ffi.NULL)
+    if rc == -3:
+        raise ValueError("a row of logits holds no finite value")
+    if rc:
+        raise ValueError(f"spel_sample_rows failed ({rc})")
+    return toks.tolist(), probs
+
+
+def sample_rows_reference(rows, seq, n_ctx, index0, params: SamplingParams, seed: int, want_probs=False):
+    """sample_rows in numpy (the reference of the C version)."""
+    seq = [int(t) for t in seq]
+    toks, probs = [], []
+    for j, row in enumerate(np.asarray(rows)):
+        history = seq[:n_ctx + j]
+        p = probabilities_reference(row, history, params)
+        z = adjusted_logits(row, history, params)
+        if params.greedy:
+            toks.append(int(np.argmax(z)))
+        else:
+            support = np.flatnonzero(p > 0)
+            if support.size == 0:
+                raise ValueError("a row of logits holds no finite value")
+            score = z[support] * (1.0 / params.temperature) + noise.gumbel_reference(seed, index0 + j, support)
+            toks.append(int(support[int(np.argmax(score))]))
+        probs.append(p)
+    return toks, (np.stack(probs) if want_probs else None)
 
 
 def one_hot(token: int, V: int) -> np.ndarray:

@@ -344,12 +344,48 @@ class CDraft:
                                                     int(bool(guess))))
         self._async = int(k) + (1 if guess else 0)
 
-    def wait(self) -> list:
-        """The tokens of the proposal started by propose_at_async (blocks until done)."""
+    def wait(self) -> list | None:
+        """The tokens of the proposal started by propose_at_async (blocks until done);
+        None when ``cancel`` stopped it first."""
         n, self._async = getattr(self, "_async", 0), 0
         out = self._proposal_buffer()
-        self._check(lib.spel_draft_wait(self._live(), out))
+        rc = lib.spel_draft_wait(self._live(), out)
+        if rc == lib.SPEL_CANCELLED:
+            return None
+        self._check(rc)
         return ffi.unpack(out, n)
+
+    def cancel(self):
+        """Stop the proposal started by propose_at_async after its current forward (its
+        result is not wanted); ``wait`` still ends the request.  The batch before its
+        offset stays uncommitted as it was."""
+        self._check(lib.spel_draft_cancel(self._live()))
+
+    def set_sampling(self, temperature=None, top_p=1.0, penalty=1.0, top_k=0, window=0, seed=0,
+                     want_q=False):
+        """Proposals become samples (the coupled choice of neon/sampling.c: argmax over the
+        support of logit/T + the stream's Gumbel noise; temperature 0: the argmax of the
+        penalized logits) instead of the argmax; ``temperature=None`` switches back.
+        ``want_q`` keeps each proposal's distribution (``probs``)."""
+        if temperature is None:
+            self._check(lib.spel_draft_set_sampling(self._live(), ffi.NULL, 0))
+            return
+        s = ffi.new("spel_sampling *", dict(temperature=float(temperature), top_p=float(top_p),
+                                            penalty=float(penalty), top_k=int(top_k), window=int(window),
+                                            seed=int(seed) & ((1 << 64) - 1)))
+        self._check(lib.spel_draft_set_sampling(self._live(), s, int(bool(want_q))))
+
+    def set_context(self, ctx, index: int):
+        """Before a sampled proposal: the tokens before its pending token (the penalty's
+        window is their end) and that token's sequence index (the noise's position)."""
+        toks = self._tokens(ctx) if len(ctx) else np.zeros(1, np.int32)
+        self._check(lib.spel_draft_set_context(self._live(), _ptr("int32_t", toks), len(ctx), int(index)))
+
+    def probs(self, offset: int) -> np.ndarray:
+        """The distribution the token at batch offset ``offset`` was sampled from."""
+        out = np.empty(self.cfg.vocab, np.float64)
+        self._check(lib.spel_draft_probs(self._live(), int(offset), _ptr("double", out)))
+        return out
 
     def commit(self, n: int):
         self._check(lib.spel_draft_commit(self._live(), int(n)))
