@@ -1,17 +1,21 @@
-"""Greedy decoding of the shipped model on held-out texts: ar / spec / governed /
+"""Decoding of the shipped model on held-out texts: greedy ar / spec / governed /
 n-gram / auto, with alpha and tokens per round, beside mlx-lm's greedy decoding of a
-same-shape Llama (random weights) in the same process.
+same-shape Llama (random weights) in the same process; and sampled rows (the
+``generate`` defaults: T 0.7, top-p 0.95, penalty 1.1) for both lossless rules.
 
     python bench/heldout_decode.py [--texts 3] [--prompt 64] [--gen 128] [--repeats 3]
-                                   [--checkpoint DIR] [--json out.json]
+                                   [--rows all|greedy|sampled] [--checkpoint DIR] [--json out.json]
 
 Texts: passages of data/corpus/heldout.txt (the split training never sees) starting
 at 1/(n+1), 2/(n+1), ... of the file, ``--prompt`` tokens each.  Every row is the
 median over ``--repeats`` timed calls after one untimed warm-up call (compiles the
 passes); modes of one text are interleaved per repeat so load changes hit them alike.
-``x AR`` divides by the ar row of the same text; ``x mlx-lm`` by mlx-lm's greedy rate
-on the same prompt length.  Prints a markdown table (docs/decoding.md,
-"Measurements").
+Sampled rows use seed 1, 2, ... in repeat 1, 2, ... (the same seed for every row of a
+repeat).  ``x AR`` divides by the ar row of the same text and kind (greedy or sampled);
+``x mlx-lm`` by mlx-lm's greedy rate on the same prompt length; ``= ar output``
+compares with that ar row's output (sampled: the first repeat's seed; the residual
+rule emits other samples of the same distribution).  Prints a markdown table
+(docs/decoding.md, "Measurements").
 """
 from __future__ import annotations
 
@@ -20,6 +24,7 @@ import json
 import os
 import statistics
 import sys
+from dataclasses import replace
 
 import spel_mlx  # noqa: F401  (BLAS before mlx.core)
 from spel_mlx import decoding as sp
@@ -32,7 +37,9 @@ import mlx.core as mx  # noqa: E402
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench import peers  # noqa: E402
 
-MODES = [  # (label, mode, draft kind, threads, governor, drafting ahead)
+SAMPLED = sp.SamplingParams(temperature=0.7, top_p=0.95, repetition_penalty=1.1)
+COUPLED, RESIDUAL = SAMPLED, replace(SAMPLED, accept="residual")
+GREEDY_MODES = [  # (label, mode, draft kind, threads, governor, drafting ahead)
     ("ar", "ar", None, 0, None, False),
     ("spec, C draft 1 thread", "spec", "c", 1, None, False),
     ("spec, C draft 1 thread, drafting ahead", "spec", "c", 1, None, True),
@@ -42,6 +49,13 @@ MODES = [  # (label, mode, draft kind, threads, governor, drafting ahead)
      sp.GovernorConfig(zero_accept_grace=2), True),
     ("spec, n-gram draft", "spec", "ngram", 0, None, False),
     ("spec, auto (n-gram, else C drafting ahead)", "spec", "auto", 1, None, True),
+]
+SAMPLED_MODES = [  # (label, mode, draft kind, threads, params, drafting ahead)
+    ("ar, sampled", "ar", None, 0, COUPLED, False),
+    ("spec sampled coupled, C draft, drafting ahead", "spec", "c", 1, COUPLED, True),
+    ("spec sampled coupled, C draft", "spec", "c", 1, COUPLED, False),
+    ("spec sampled residual, C draft, drafting ahead", "spec", "c", 1, RESIDUAL, True),
+    ("spec sampled residual, C draft", "spec", "c", 1, RESIDUAL, False),
 ]
 
 
@@ -64,6 +78,7 @@ def main(argv=None) -> int:
     ap.add_argument("--gen", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--k", type=int, default=4)
+    ap.add_argument("--rows", choices=("all", "greedy", "sampled"), default="all")
     ap.add_argument("--json", default="")
     a = ap.parse_args(argv)
     ck = load_checkpoint(a.checkpoint)
@@ -72,53 +87,67 @@ def main(argv=None) -> int:
     tok = load_tokenizer(cfg.vocab, tok_path if tok_path and os.path.exists(tok_path) else None)
     model = SpelModel.from_weights(cfg, ck.weights)
     prompts = heldout_prompts(tok, a.data, a.texts, a.prompt)
-    decoders = {}
-    for label, mode, kind, threads, gov, ahead in MODES:
-        draft = None if kind is None else sp.make_proposer(kind, model, weights=ck.weights, k=a.k,
-                                                         threads=threads or None, ahead=ahead)
-        decoders[label] = sp.SpeculativeDecoder(model, draft, mode, k=a.k, governor=gov)
-    llama = peers.build_llama(cfg)
+    decoders = {}   # label -> (decoder, the ar label it is compared with, sampled)
+    if a.rows in ("all", "greedy"):
+        for label, mode, kind, threads, gov, ahead in GREEDY_MODES:
+            draft = None if kind is None else sp.make_proposer(kind, model, weights=ck.weights, k=a.k,
+                                                             threads=threads or None, ahead=ahead)
+            decoders[label] = (sp.SpeculativeDecoder(model, draft, mode, k=a.k, governor=gov), "ar", False)
+    if a.rows in ("all", "sampled"):
+        for label, mode, kind, threads, params, ahead in SAMPLED_MODES:
+            draft = None if kind is None else sp.make_proposer(kind, model, weights=ck.weights, k=a.k,
+                                                             threads=threads or None, ahead=ahead)
+            decoders[label] = (sp.SpeculativeDecoder(model, draft, mode, k=a.k, params=params), "ar, sampled", True)
+    llama = peers.build_llama(cfg) if a.rows != "sampled" else None
     rows = []
     for ti, prompt in enumerate(prompts):
         runs = {label: [] for label in decoders}
-        runs["mlx-lm Llama greedy"] = []
-        for label, dec in decoders.items():            # warm-up: compiles every pass shape
+        if llama is not None:
+            runs["mlx-lm Llama greedy"] = []
+        for label, (dec, _, sampled) in decoders.items():      # warm-up: compiles every pass shape
             dec.generate(prompt, a.gen)
-        peers.greedy_decode_rate(llama, prompt, 8)
+        if llama is not None:
+            peers.greedy_decode_rate(llama, prompt, 8)
         outputs = {}
-        for _ in range(a.repeats):
-            for label, dec in decoders.items():
+        for rep in range(a.repeats):
+            for label, (dec, _, sampled) in decoders.items():
+                if sampled:
+                    dec.params = replace(dec.params, seed=rep + 1)
                 out = dec.generate(prompt, a.gen)
                 outputs.setdefault(label, out)
                 runs[label].append(dict(dec.stats.to_dict()))
-            runs["mlx-lm Llama greedy"].append({"tok_s": peers.greedy_decode_rate(llama, prompt, a.gen)[0]})
-        ar_out = outputs["ar"]
-        ar_rate = statistics.median(r["tok_s"] for r in runs["ar"])
-        lm_rate = statistics.median(r["tok_s"] for r in runs["mlx-lm Llama greedy"])
+            if llama is not None:
+                runs["mlx-lm Llama greedy"].append({"tok_s": peers.greedy_decode_rate(llama, prompt, a.gen)[0]})
+        lm_rate = statistics.median(r["tok_s"] for r in runs["mlx-lm Llama greedy"]) if llama is not None else None
         for label, rs in runs.items():
+            ar_label = decoders[label][1] if label in decoders else "ar"
+            ar_rate = statistics.median(r["tok_s"] for r in runs[ar_label]) if ar_label in runs else None
             rate = statistics.median(r["tok_s"] for r in rs)
             r0 = rs[0]
-            rows.append({"text": ti, "row": label, "tok_s": rate, "x_ar": rate / ar_rate,
-                         "x_mlx_lm": rate / lm_rate, "alpha": r0.get("alpha"),
+            rows.append({"text": ti, "row": label, "tok_s": rate, "x_ar": rate / ar_rate if ar_rate else None,
+                         "x_mlx_lm": rate / lm_rate if lm_rate else None, "alpha": r0.get("alpha"),
                          "tokens_per_round": r0.get("tokens_per_round"),
                          "trips": r0.get("governor_trips"), "c": r0.get("c"), "v": r0.get("v"),
-                         "same_as_ar": (outputs.get(label) == ar_out) if label in outputs else None})
+                         "ahead_hits": r0.get("ahead_hits"), "ahead_misses": r0.get("ahead_misses"),
+                         "same_as_ar": (outputs.get(label) == outputs.get(ar_label)) if label in outputs else None})
     print(f"{cfg.d_model}d/{cfg.n_layers}L checkpoint {ck.source}; {a.texts} held-out texts, "
           f"prompt {a.prompt} tokens, {a.gen} generated, K={a.k}, median of {a.repeats}")
     labels = list(dict.fromkeys(r["row"] for r in rows))
-    print("| row | tok/s (per text) | x AR | x mlx-lm | alpha | tokens/round | = ar output |")
-    print("|---|---|---|---|---|---|---|")
+    print("| row | tok/s (per text) | x AR | median x AR | x mlx-lm | alpha | tokens/round | = ar output |")
+    print("|---|---|---|---|---|---|---|---|")
     for label in labels:
         rs = [r for r in rows if r["row"] == label]
         f = lambda k, d=2: " / ".join("—" if r[k] is None else f"{r[k]:.{d}f}" for r in rs)  # noqa: E731
-        same = "—" if rs[0]["same_as_ar"] is None else ("yes" if all(r["same_as_ar"] for r in rs) else "NO")
-        print(f"| {label} | {f('tok_s', 0)} | {f('x_ar')} | {f('x_mlx_lm')} | {f('alpha', 3)} | "
+        same = "—" if rs[0]["same_as_ar"] is None else ("yes" if all(r["same_as_ar"] for r in rs) else "no")
+        ratios = [r["x_ar"] for r in rs if r["x_ar"] is not None]
+        med = f"{statistics.median(ratios):.2f}" if ratios else "—"
+        print(f"| {label} | {f('tok_s', 0)} | {f('x_ar')} | {med} | {f('x_mlx_lm')} | {f('alpha', 3)} | "
               f"{f('tokens_per_round')} | {same} |")
     if a.json:
         with open(a.json, "w") as fh:
             json.dump({"checkpoint": ck.source, "texts": a.texts, "prompt": a.prompt, "gen": a.gen,
                        "k": a.k, "repeats": a.repeats, "rows": rows}, fh, indent=1)
-    for dec in decoders.values():
+    for dec, _, _ in decoders.values():
         dec.close()
     return 0
 

@@ -64,6 +64,9 @@ class AutoProposer(Proposer):
         self._proposed = len(toks)
         return toks, qs
 
+    def guess(self):
+        return self._pending_commit.guess() if self._pending_commit is not None else None
+
     def commit(self, n: int):
         if self._pending_commit is not None:
             self._pending_commit.commit(n)

@@ -60,6 +60,9 @@ class CDraftProposer(Proposer):
     def _qs(self, params, start, k):
         return [self.cdraft.probs(start + j) for j in range(k)] if wants_qs(params) else None
 
+    def _q(self, params, offset):
+        return self.cdraft.probs(offset) if wants_qs(params) else None
+
     def propose(self, history, pending, k, params, seed):
         self.sync(history)
         if self._configure(params, seed):
@@ -94,9 +97,9 @@ class CDraftAheadProposer(CDraftProposer):
     def __init__(self, cdraft):
         super().__init__(cdraft)
         self._running = False
-        self._ready = None          # (expected pending, proposal, guess, qs) of a kept continuation
+        self._ready = None          # (pending, proposal, guess, qs, guess q) of a kept continuation
         self._k = 0
-        self._guess = None
+        self._guess = self._guess_q = None
         self._params = None
         self.hits = self.misses = 0
 
@@ -111,7 +114,7 @@ class CDraftAheadProposer(CDraftProposer):
 
     def reset(self):
         self._join()
-        self._ready = None
+        self._ready = self._guess = None
         self.hits = self.misses = 0
         super().reset()
 
@@ -126,7 +129,7 @@ class CDraftAheadProposer(CDraftProposer):
         # and no tokens committed meanwhile without this draft (auto's n-gram rounds)
         if ready is not None and ready[0] == int(pending) and len(ready[1]) == k and \
                 self.pos == len(history):
-            _, proposal, guess, qs = ready              # drafted during the last verify
+            _, proposal, guess, qs, guess_q = ready     # drafted during the last verify
             self.hits += 1
         else:
             if ready is not None:
@@ -136,9 +139,9 @@ class CDraftAheadProposer(CDraftProposer):
                 self._context(params, history, len(history))
             toks = self.cdraft.propose_at(int(pending), k, 0, guess=True)
             proposal, guess = toks[:k], toks[k]
-            qs = self._qs(params, 0, k)
+            qs, guess_q = self._qs(params, 0, k), self._q(params, k)
             self.forwards += k + 1
-        self._k, self._guess, self._params = k, guess, params
+        self._k, self._guess, self._guess_q, self._params = k, guess, guess_q, params
         if int(self.cdraft.pos) + 2 * k + 2 <= self.cdraft.cfg.max_seq:   # the continuation's positions fit
             if sampled:   # its pending token g sits at sequence index len(history) + k + 1
                 W = params.window
@@ -151,12 +154,16 @@ class CDraftAheadProposer(CDraftProposer):
     def commit(self, n: int):
         ahead = self._join(wanted=n == self._k + 1)     # a round that rejected: drop it at once
         if ahead is not None and n == self._k + 1:
-            qs = self._qs(self._params, self._k + 1, self._k)   # before the offsets shift
+            k, params = self._k, self._params
+            qs, guess_q = self._qs(params, k + 1, k), self._q(params, 2 * k + 1)   # before the offsets shift
             self.cdraft.commit_keep(n)                   # keep [g, e_0..e_{K-1}] pending
-            self._ready = (self._guess, ahead[:self._k], ahead[self._k], qs)
+            self._ready = (self._guess, ahead[:k], ahead[k], qs, guess_q)
             self.forwards += self._k + 1
         else:
             self.cdraft.commit(n)                        # drops the continuation
+
+    def guess(self):
+        return None if self._guess is None else (self._guess, self._guess_q)
 
     def close(self):
         try:

@@ -43,6 +43,13 @@ class Proposer:
     def commit(self, n: int):
         pass
 
+    def guess(self):
+        """(token, q) after a proposal that drafted one position past it (drafting ahead):
+        the draft's own sample there and its distribution (q under the residual rule,
+        else None); None when there is none.  The residual rule takes it as a proposal
+        for the round's last row, so a drafted-ahead continuation is used more often."""
+        return None
+
     def close(self):
         pass
 
