@@ -21,6 +21,7 @@ import time
 
 from .api import (DEFAULT_REPETITION_PENALTY, DEFAULT_TEMPERATURE, DEFAULT_TOP_P, GenerationError, GovernorConfig,
                   LoadError, NoCheckpoint, load, prepare)
+from .decoding.sampling import ACCEPT_RULES, DEFAULT_ACCEPT
 
 DEFAULT_PROMPT = "It is a truth universally acknowledged, that"
 DEFAULT_MAX_TOKENS = 200
@@ -61,11 +62,11 @@ def build_parser() -> argparse.ArgumentParser:
                     help=f"1 = off; applied identically to draft and target (default "
                          f"{DEFAULT_REPETITION_PENALTY} when sampling, 1 with --temperature 0)")
     ap.add_argument("--seed", type=int, default=None, help="sampling seed (runs are reproducible)")
-    ap.add_argument("--accept", choices=("coupled", "residual"), default="coupled",
-                    help="lossless rule of sampled speculation: coupled (draft and target sample "
-                         "with the same per-position noise; the output equals --mode ar's for the "
-                         "same seed) or residual (accept min(1, p/q), resample the residual) "
-                         "(default coupled)")
+    ap.add_argument("--accept", choices=ACCEPT_RULES, default=DEFAULT_ACCEPT,
+                    help="lossless rule of sampled speculation: residual (accept min(1, p/q), "
+                         "resample the residual; faster) or coupled (draft and target sample with the "
+                         "same per-position noise; the output equals --mode ar's for the same seed) "
+                         f"(default {DEFAULT_ACCEPT})")
     ap.add_argument("--checkpoint", help="SPELW001 file or safetensors model folder "
                                          "(default SPEL_WEIGHTS, else the shipped model)")
     ap.add_argument("--tokenizer", help="SentencePiece model (default: beside the checkpoint, "

@@ -89,6 +89,18 @@ def test_sampling_seeded_reproducible(ckpt):
     assert a[0] == 0 and a[1] == b[1]
 
 
+def test_coupled_spec_prints_the_sampled_ar_text(ckpt):
+    """--accept coupled: spec prints --mode ar's text for the same seed (the sampling
+    defaults); --accept residual runs the other rule."""
+    argv = ["--checkpoint", ckpt, "--max-tokens", 30, "--seed", 4, "--stats"]
+    ar = run(*argv, "--mode", "ar", "--accept", "coupled")
+    spec = run(*argv, "--accept", "coupled")
+    res = run(*argv, "--accept", "residual")
+    assert ar[0] == spec[0] == res[0] == 0 and ar[1] == spec[1]
+    assert stats_of(spec[2])["accept"] == "coupled" and stats_of(res[2])["accept"] == "residual"
+    assert stats_of(res[2])["tokens"] == 30
+
+
 def test_safetensors_folder_checkpoint(ckpt, tmp_path):
     from spel_mlx.converters.spelw_safetensors import spelw_to_safetensors
     folder = tmp_path / "st"
@@ -126,6 +138,7 @@ def test_runs_into_max_seq(ckpt):
     (["--alpha-threshold", "1.5"], "--alpha-threshold"),
     (["--governor-window", "0"], "--governor-window"),
     (["--seed", "-1"], "seed=-1"),
+    (["--accept", "maximal"], "invalid choice"),
 ])
 def test_bad_input_one_line_exit_2(ckpt, argv, needle):
     code, out, err = run("--checkpoint", ckpt, *argv)

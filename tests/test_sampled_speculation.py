@@ -169,7 +169,7 @@ CASES = [smp.SamplingParams(temperature=0.8, top_p=0.9, repetition_penalty=1.2, 
 
 
 def _with_seed(params, seed):
-    return smp.SamplingParams(**{**params.__dict__, "seed": seed})
+    return smp.SamplingParams(**{**params.__dict__, "seed": seed, "accept": "coupled"})
 
 
 @pytest.mark.parametrize("K", [1, 2, 4, 8])

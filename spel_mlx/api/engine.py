@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from ..decoding import MODES, PROPOSER_KINDS, DecodeError, GovernorConfig, SamplingParams, SpeculativeDecoder
 from ..decoding.factory import default_draft_threads, make_proposer
 from ..decoding.loop import MAX_K, checked_prompt
-from ..decoding.sampling import SamplingError
+from ..decoding.sampling import DEFAULT_ACCEPT, SamplingError  # noqa: F401  (DEFAULT_ACCEPT: generation)
 from ..native import clib
 
 DRAFTS = PROPOSER_KINDS

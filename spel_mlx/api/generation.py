@@ -137,7 +137,8 @@ class Request:
 
 def prepare(model, tokenizer, prompt, max_tokens: int = DEFAULT_MAX_TOKENS, *,
             temperature: float = DEFAULT_TEMPERATURE, top_p: float = DEFAULT_TOP_P, top_k: int = 0,
-            repetition_penalty: float | None = None, seed: int | None = None, accept: str = "coupled", stop=None,
+            repetition_penalty: float | None = None, seed: int | None = None,
+            accept: str = engine.DEFAULT_ACCEPT, stop=None,
             mode: str = "spec", draft=None, k: int | None = None, governor=None,
             strict: bool = False, draft_threads: int | None = None, draft_ahead: str = "auto",
             forced_alpha: float | None = None) -> Request:
