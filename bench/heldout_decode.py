@@ -38,7 +38,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench import peers  # noqa: E402
 
 SAMPLED = sp.SamplingParams(temperature=0.7, top_p=0.95, repetition_penalty=1.1)
-COUPLED, RESIDUAL = SAMPLED, replace(SAMPLED, accept="residual")
+COUPLED, RESIDUAL = replace(SAMPLED, accept="coupled"), replace(SAMPLED, accept="residual")
 GREEDY_MODES = [  # (label, mode, draft kind, threads, governor, drafting ahead)
     ("ar", "ar", None, 0, None, False),
     ("spec, C draft 1 thread", "spec", "c", 1, None, False),
