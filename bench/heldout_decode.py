@@ -14,7 +14,8 @@ Sampled rows use seed 1, 2, ... in repeat 1, 2, ... (the same seed for every row
 repeat).  ``x AR`` divides by the ar row of the same text and kind (greedy or sampled);
 ``x mlx-lm`` by mlx-lm's greedy rate on the same prompt length; ``= ar output``
 compares with that ar row's output (sampled: the first repeat's seed; the residual
-rule emits other samples of the same distribution).  Prints a markdown table
+rule emits other samples of the same distribution); alpha, tokens/round and drafted-ahead
+hits per round are over all repeats.  Prints a markdown table
 (docs/decoding.md, "Measurements").
 """
 from __future__ import annotations
@@ -124,25 +125,29 @@ def main(argv=None) -> int:
             ar_rate = statistics.median(r["tok_s"] for r in runs[ar_label]) if ar_label in runs else None
             rate = statistics.median(r["tok_s"] for r in rs)
             r0 = rs[0]
+            total = lambda key: sum(r.get(key) or 0 for r in rs)  # noqa: E731  (over the repeats' seeds)
             rows.append({"text": ti, "row": label, "tok_s": rate, "x_ar": rate / ar_rate if ar_rate else None,
-                         "x_mlx_lm": rate / lm_rate if lm_rate else None, "alpha": r0.get("alpha"),
-                         "tokens_per_round": r0.get("tokens_per_round"),
+                         "x_mlx_lm": rate / lm_rate if lm_rate else None,
+                         "alpha": total("accepted") / total("proposed") if total("proposed") else r0.get("alpha"),
+                         "tokens_per_round": total("tokens") / total("rounds") if total("rounds") else None,
+                         "hits_per_round": total("ahead_hits") / total("rounds") if "ahead_hits" in r0 else None,
                          "trips": r0.get("governor_trips"), "c": r0.get("c"), "v": r0.get("v"),
                          "ahead_hits": r0.get("ahead_hits"), "ahead_misses": r0.get("ahead_misses"),
                          "same_as_ar": (outputs.get(label) == outputs.get(ar_label)) if label in outputs else None})
     print(f"{cfg.d_model}d/{cfg.n_layers}L checkpoint {ck.source}; {a.texts} held-out texts, "
           f"prompt {a.prompt} tokens, {a.gen} generated, K={a.k}, median of {a.repeats}")
     labels = list(dict.fromkeys(r["row"] for r in rows))
-    print("| row | tok/s (per text) | x AR | median x AR | x mlx-lm | alpha | tokens/round | = ar output |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("| row | tok/s (per text) | x AR | median x AR | x mlx-lm | alpha | tokens/round | ahead hits/round | "
+          "= ar output |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for label in labels:
         rs = [r for r in rows if r["row"] == label]
         f = lambda k, d=2: " / ".join("—" if r[k] is None else f"{r[k]:.{d}f}" for r in rs)  # noqa: E731
         same = "—" if rs[0]["same_as_ar"] is None else ("yes" if all(r["same_as_ar"] for r in rs) else "no")
         ratios = [r["x_ar"] for r in rs if r["x_ar"] is not None]
         med = f"{statistics.median(ratios):.2f}" if ratios else "—"
-        print(f"| {label} | {f('tok_s', 0)} | {f('x_ar')} | {med} | {f('x_mlx_lm')} | {f('alpha', 3)} | "
-              f"{f('tokens_per_round')} | {same} |")
+        print(f"| {label} | {f('tok_s', 0)} | {f('x_ar')} | {med} | {f('x_mlx_lm')} | "
+              f"{f('alpha', 3)} | {f('tokens_per_round')} | {f('hits_per_round')} | {same} |")
     if a.json:
         with open(a.json, "w") as fh:
             json.dump({"checkpoint": ck.source, "texts": a.texts, "prompt": a.prompt, "gen": a.gen,
