@@ -8,8 +8,6 @@ positions, resampling from p instead of the residual).  Coupled rule: the output
 sampled ``ar``'s output token for token, for many seeds, prompts and K, with the C
 draft plain and drafting ahead, into max_seq and at stop tokens.
 """
-import math
-
 import numpy as np
 import pytest
 
@@ -20,7 +18,7 @@ from spel_mlx.decoding.c_proposer import CDraftAheadProposer
 from spel_mlx.decoding.mlx_proposer import MLXProposer
 from spel_mlx.native import clib
 
-from test_sampling import chi2_critical
+from test_sampling import pooled_chi2
 from test_speculative import N_REAL, ToyModel, _ar, tiny  # noqa: F401  (tiny: a fixture)
 
 PARAMS = smp.SamplingParams(temperature=1.0, top_p=0.95, repetition_penalty=1.2, repetition_window=8)
@@ -44,30 +42,6 @@ def target_distribution(model, params, prompt, length):
 
     walk(list(prompt), 1.0, 0)
     return out
-
-
-def pooled_chi2(counts: np.ndarray, probs: np.ndarray) -> float:
-    """chi2 / its 0.1% critical value, cells with expected count < 5 pooled; a token
-    the target cannot emit gives infinity."""
-    counts, probs = counts.reshape(-1), probs.reshape(-1)
-    if counts[probs == 0].sum():
-        return math.inf
-    n = counts.sum()
-    order = np.argsort(probs[probs > 0] * n)
-    e_sorted, c_sorted = (probs[probs > 0] * n)[order], counts[probs > 0][order]
-    pe, pc, acc_e, acc_c = [], [], 0.0, 0.0
-    for e, c in zip(e_sorted, c_sorted):
-        acc_e, acc_c = acc_e + e, acc_c + c
-        if acc_e >= 5:
-            pe.append(acc_e)
-            pc.append(acc_c)
-            acc_e = acc_c = 0.0
-    if acc_e:
-        pe[-1] += acc_e
-        pc[-1] += acc_c
-    pe, pc = np.array(pe), np.array(pc)
-    df = len(pe) - 1
-    return float(((pc - pe) ** 2 / pe).sum()) / chi2_critical(df)
 
 
 def worst_ratio(model, decoder, calls: int) -> float:

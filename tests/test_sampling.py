@@ -28,6 +28,30 @@ def chi2_stat(counts: np.ndarray, probs: np.ndarray) -> tuple:
     return float(((counts[keep] - exp) ** 2 / exp).sum()), int(keep.sum() - 1)
 
 
+def pooled_chi2(counts: np.ndarray, probs: np.ndarray) -> float:
+    """chi2 / its 0.1% critical value, cells with expected count < 5 pooled; a token
+    the target cannot emit gives infinity."""
+    counts, probs = counts.reshape(-1), probs.reshape(-1)
+    if counts[probs == 0].sum():
+        return math.inf
+    n = counts.sum()
+    order = np.argsort(probs[probs > 0] * n)
+    e_sorted, c_sorted = (probs[probs > 0] * n)[order], counts[probs > 0][order]
+    pe, pc, acc_e, acc_c = [], [], 0.0, 0.0
+    for e, c in zip(e_sorted, c_sorted):
+        acc_e, acc_c = acc_e + e, acc_c + c
+        if acc_e >= 5:
+            pe.append(acc_e)
+            pc.append(acc_c)
+            acc_e = acc_c = 0.0
+    if acc_e:
+        pe[-1] += acc_e
+        pc[-1] += acc_c
+    pe, pc = np.array(pe), np.array(pc)
+    df = len(pe) - 1
+    return float(((pc - pe) ** 2 / pe).sum()) / chi2_critical(df)
+
+
 def softmax(z):
     z = np.asarray(z, dtype=np.float64)
     e = np.exp(z - z.max())
