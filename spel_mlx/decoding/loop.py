@@ -226,12 +226,11 @@ class SpeculativeDecoder:
             return n, targ[n]
         if probs is not None:
             n, fix = smp.residual_round(probs, qs, proposal, seed, len(history) + 1)
-            if fix is None:   # all accepted: the draft's guess past them, if any, is one more proposal
-                guess = self.proposer.guess()
-                if guess is not None and guess[1] is not None:
-                    i = len(history) + 1 + m
-                    _, fix = smp.accept_or_resample(probs[m], guess[1], guess[0], noise.uniform(seed, i, noise.ACCEPT),
-                                                    noise.uniform(seed, i, noise.DRAW))
+            guess = self.proposer.guess() if fix is None else None
+            if guess is not None and guess[1] is not None:
+                # all accepted: the draft's guess past them is one more proposal, for row m
+                _, fix = smp.residual_round(probs[m:], [guess[1]], [guess[0]], seed, len(history) + 1 + m)
+                fix = guess[0] if fix is None else fix
             return n, (targ[n] if fix is None else fix)
         n = 0
         while n < m and proposal[n] == targ[n]:
