@@ -82,10 +82,12 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--governor-grace", type=int, default=0, metavar="ROUNDS",
                     help="governed mode: a zero-accept round trips only after this many rounds "
                          "(default 0, the original's rule: the first zero-accept round trips)")
-    ap.add_argument("--placement", choices=("cpu", "auto"), default="cpu",
-                    help="auto: calibrate c and v for each target/draft placement (MLX on CPU or "
-                         "GPU x C draft on CPU or MLX draft) and use the one the cost model ranks "
-                         "first; reported in --stats (default cpu: target MLX on the CPU, C draft)")
+    ap.add_argument("--placement", choices=("gpu", "cpu", "auto"), default=None,
+                    help="where the target runs: gpu (MLX's GPU, Metal or CUDA; an error when "
+                         "there is none), cpu, or auto: calibrate c and v for each target/draft "
+                         "placement and use the one the cost model ranks first (reported in "
+                         "--stats); default: the GPU where MLX has one, else the CPU. The C "
+                         "draft always runs on CPU cores")
     ap.add_argument("--stats", action="store_true", help="one JSON line of statistics on stderr")
     ap.add_argument("--no-stream", action="store_true", help="print the text only at the end")
     return ap
@@ -153,8 +155,9 @@ def check_args(args):
 
 def load_model(args):
     """(model, tokenizer) for the command line's flags."""
+    placement = None if args.placement == "auto" else args.placement  # auto: chosen after loading
     try:
-        return load(args.checkpoint, tokenizer=args.tokenizer, config=args.config)
+        return load(args.checkpoint, tokenizer=args.tokenizer, config=args.config, placement=placement)
     except LoadError as e:
         raise UsageError(str(e)) from None
 
@@ -172,6 +175,7 @@ def placed_proposer(args, model, k, prompt, stderr):
         proposer = plc.apply_placement(ranked[0], model.model, model.weights, k=k)
     except plc.PlacementError as e:
         raise UsageError(f"--placement auto: {e}") from None
+    model.device = ranked[0].target_device
     if args.stats:
         print(plc.format_ranking(ranked), file=stderr)
     return proposer, ranked[0]
@@ -273,7 +277,7 @@ def run(argv=None, stdout=None, stderr=None) -> int:
                   "top_p": request.params.top_p, "top_k": request.params.top_k,
                   "repetition_penalty": request.params.repetition_penalty, "seed": request.params.seed,
                   "accept": request.params.accept,
-                  "draft_threads": request.decoding.draft_threads})
+                  "draft_threads": request.decoding.draft_threads, "target_device": model.device})
         if forced_alpha is not None:
             d["forced_alpha"] = forced_alpha
         if placement is not None:

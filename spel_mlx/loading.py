@@ -24,9 +24,11 @@ def find_tokenizer_path(tokenizer, ckpt_path: str, vocab: int):
     return beside if os.path.isfile(beside) else None
 
 
-def load_for_decoding(checkpoint=None, config=None, spec_k=None, tokenizer=None):
+def load_for_decoding(checkpoint=None, config=None, spec_k=None, tokenizer=None, device=None):
     """(checkpoint, config, tokenizer, model).  `checkpoint` None: SPEL_WEIGHTS, else
-    the installed default; `config`: overrides "k=v,..." that must agree with it."""
+    the installed default; `config`: overrides "k=v,..." that must agree with it;
+    `device`: where the target will run, "cpu" | "gpu" (None: the current default
+    device), which decides its ops (spel_mlx.model.backends)."""
     from .checkpoints import CheckpointError, default_checkpoint_dir, load_checkpoint
     from .config import ConfigError, resolve_config
     from .tokenizer import TokenizerError, load_tokenizer
@@ -59,7 +61,7 @@ def load_for_decoding(checkpoint=None, config=None, spec_k=None, tokenizer=None)
     from .model import SpelModel, select
     model = SpelModel.from_weights(cfg, ck.weights)
     try:
-        model.set_ops(select())  # SPEL_KERNELS; auto = Metal kernels where available
+        model.set_ops(select(device=device), device)  # SPEL_KERNELS; auto: by device
     except ValueError as e:
         raise LoadError(f"SPEL_KERNELS: {e}") from None
     return ck, cfg, tok, model

@@ -12,6 +12,7 @@ from ..decoding import MODES, PROPOSER_KINDS, DecodeError, GovernorConfig, Sampl
 from ..decoding.factory import default_draft_threads, make_proposer
 from ..decoding.loop import MAX_K, checked_prompt
 from ..decoding.sampling import DEFAULT_ACCEPT, SamplingError  # noqa: F401  (DEFAULT_ACCEPT: generation)
+from ..model.backends import device_scope
 from ..native import clib
 
 DRAFTS = PROPOSER_KINDS
@@ -119,10 +120,11 @@ class Decoding:
 
     def run(self, prompt: list, max_tokens: int, on_round, should_stop=None, calibrate: bool = False):
         """Decode; `on_round(Round)` after every round.  Returns the emitted tokens.
-        `should_stop()` is asked after every round: True ends the call (Cancelled)."""
+        `should_stop()` is asked after every round: True ends the call (Cancelled).
+        The target runs on the loaded model's device (on this thread)."""
         s, loaded = self.settings, self.loaded
         k = loaded.cfg.spec_k if s.k is None else s.k
-        with loaded.lock:
+        with loaded.lock, device_scope(loaded.device):
             proposer = _proposer(loaded, s, k, self.params)
             self.decoder = SpeculativeDecoder(loaded.model, proposer, s.mode, k=k, strict=s.strict,
                                               params=self.params, governor=s.governor,

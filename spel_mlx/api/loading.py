@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 from ..config import ModelConfig
 from ..loading import LoadError, NoCheckpoint, load_for_decoding
+from ..model.backends import DeviceError, placement_device
 
 __all__ = ["LoadError", "LoadedModel", "NoCheckpoint", "load"]
 
@@ -16,11 +17,13 @@ class LoadedModel:
     """What ``load`` returns as the model: the MLX target (with its FP32 draft layers),
     the FP32 weights the C draft quantizes its layers from, and the proposers built so
     far (reused across calls; `close` releases them).  One generation runs at a time
-    (`lock`): the C draft must never be entered from two threads."""
+    (`lock`): the C draft must never be entered from two threads.  `device` is where
+    the target runs, "cpu" | "gpu"; the C draft always runs on CPU cores."""
 
     model: object            # spel_mlx.model.SpelModel
     weights: dict
     source: str
+    device: str = "cpu"
     drafts: OrderedDict = field(default_factory=OrderedDict)
     lock: threading.Lock = field(default_factory=threading.Lock)
 
@@ -35,14 +38,21 @@ class LoadedModel:
                 self.drafts.popitem()[1].close()
 
 
-def load(path=None, *, tokenizer=None, config=None):
+def load(path=None, *, tokenizer=None, config=None, placement=None):
     """``(model, tokenizer)`` for a SPELW001 file or a safetensors folder.
 
     path None: $SPEL_WEIGHTS, else the shipped model.  tokenizer: a SentencePiece
     file (default: the one beside the checkpoint, else the shipped one; vocab 128 =
     the original's ASCII bytes).  config: overrides as ``"k=v,..."`` or a dict; they
-    must agree with the checkpoint's header (only spec_k may differ).  Failures are
+    must agree with the checkpoint's header (only spec_k may differ).  placement:
+    where the target runs, "gpu" (MLX's GPU: Metal or CUDA; a LoadError when there is
+    none), "cpu", or None: the GPU where MLX has one, else the CPU.  Failures are
     LoadError, whose message names what is wrong, or NoCheckpoint when no path was
     given and no trained checkpoint is installed."""
-    ck, _, tok, model = load_for_decoding(None if path is None else str(path), config, None, tokenizer)
-    return LoadedModel(model, ck.weights, ck.source), tok
+    try:
+        device = placement_device(placement)
+    except DeviceError as e:
+        raise LoadError(str(e)) from None
+    ck, _, tok, model = load_for_decoding(None if path is None else str(path), config, None, tokenizer,
+                                          device=device)
+    return LoadedModel(model, ck.weights, ck.source, device), tok

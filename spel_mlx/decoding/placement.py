@@ -33,6 +33,7 @@ import mlx.core as mx
 import numpy as np
 
 from ..config import ModelConfig
+from ..model.backends import device_scope, gpu_available, mx_device
 from ..native.cdraft import MAX_THREADS, CDraft
 from .factory import make_proposer
 
@@ -75,17 +76,6 @@ def speedup(alpha: float, k: int, c: float, v: float) -> float:
     return (1.0 + alpha * k) / ((k + 1) * c + v)
 
 
-def gpu_available() -> bool:
-    try:
-        return bool(mx.is_available(mx.gpu))
-    except Exception:
-        return False
-
-
-def _device(name: str):
-    return mx.gpu if name == "gpu" else mx.cpu
-
-
 def _median_time(fn, reps: int, warmup: int = 2) -> float:
     for _ in range(warmup):
         fn()
@@ -107,7 +97,7 @@ def _prompt(cfg: ModelConfig, prompt, n: int = 8) -> list:
 
 def _target_times(model, dev: str, k: int, toks: list, reps: int):
     """(AR token seconds, K+1 fast verification seconds) with the target on `dev`."""
-    with mx.stream(_device(dev)):
+    with device_scope(dev):
         state = model.new_state("target", ring=k + 2)
         model.prefill(toks[:-1], state)
         batch = [toks[-1]] + [toks[i % len(toks)] for i in range(k)]
@@ -137,7 +127,7 @@ def _c_draft_time(cfg, weights, threads: int, k: int, toks: list, reps: int) -> 
 
 
 def _mlx_draft_time(model, dev: str, k: int, toks: list, reps: int) -> float:
-    with mx.stream(_device(dev)):
+    with device_scope(dev):
         state = model.new_state("draft", ring=k + 1)
         model.prefill(toks[:-1], state, stack="draft")
 
@@ -252,7 +242,7 @@ class DeviceProposer:
         return getattr(self.inner, item)
 
     def _on(self, fn, *a):
-        with mx.stream(_device(self.device)):
+        with device_scope(self.device):
             return fn(*a)
 
     def reset(self):
@@ -277,7 +267,7 @@ def apply_placement(p: Placement, model, weights: dict | None = None, k: int | N
     differs from the target's). The caller owns the proposer (``close()`` it)."""
     if not p.available:
         raise PlacementError(f"{p.name}: {p.reason}")
-    mx.set_default_device(_device(p.target_device))
+    mx.set_default_device(mx_device(p.target_device))
     proposer = make_proposer(p.draft, model, weights, k=p.k if k is None else k, threads=p.threads or 1)
     if p.draft == "mlx" and p.draft_device != p.target_device:
         proposer = DeviceProposer(proposer, p.draft_device)

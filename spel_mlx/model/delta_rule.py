@@ -48,9 +48,34 @@ def chunk_gates(a, C: int) -> dict:
             "aC": mx.exp(loga * C).reshape(H, 1, 1)}
 
 
+def unit_lower_inv_blocked(A):
+    """The inverse of unit lower triangular A [..., C, C] by block doubling, in batched
+    products only: with X the inverse of A's diagonal s-blocks and E the blocks just
+    below them inside each 2s-block, the 2s-blocks' inverse is X - X E X.  MLX's
+    triangular inverse runs only on the CPU; on a GPU this keeps the chunk there.
+    C is padded to a power of two with the identity."""
+    C = A.shape[-1]
+    n = 1 << max(C - 1, 0).bit_length()
+    if n != C:
+        z = [(0, 0)] * (A.ndim - 2) + [(0, n - C), (0, n - C)]
+        A = mx.pad(A, z) + mx.diag((mx.arange(n) >= C).astype(A.dtype))
+    i = mx.arange(n)
+    X = mx.broadcast_to(mx.eye(n, dtype=A.dtype), A.shape)
+    s = 1
+    while s < n:
+        # E: rows in the lower half, columns in the upper half of the same 2s-block
+        below = ((i[:, None] // (2 * s)) == (i[None, :] // (2 * s))) & \
+            ((i[:, None] // s) % 2 == 1) & ((i[None, :] // s) % 2 == 0)
+        X = X - X @ (A * below.astype(A.dtype)) @ X
+        s *= 2
+    return X[..., :C, :C]
+
+
 @mx.custom_function
 def _unit_lower_inv(A):
-    return mx.linalg.tri_inv(A, upper=False, stream=mx.cpu)
+    if mx.default_device() == mx.cpu:
+        return mx.linalg.tri_inv(A, upper=False, stream=mx.cpu)
+    return unit_lower_inv_blocked(A)
 
 
 @_unit_lower_inv.vjp

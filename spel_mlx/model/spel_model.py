@@ -17,7 +17,7 @@ from mlx.utils import tree_flatten, tree_unflatten
 from .. import layout
 from ..config import ModelConfig
 from ..state import DecodeState, StateError
-from .backends import auto_ops
+from .backends import auto_ops, device_name, runs_on
 from .layers import Block, DraftStack, RMSNorm
 from .linear import Linear, row_block
 from .passes import run_pass
@@ -33,7 +33,9 @@ class SpelModel(nn.Module):
         self.final_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.lm_head = Linear(cfg.d_model, cfg.vocab)
         self.draft = DraftStack(cfg)
-        self._ops = auto_ops()
+        # device ("cpu" | "gpu") -> its ops, made on first use there (one model may run
+        # passes on both: a GPU target beside its MLX draft layers on the CPU)
+        object.__setattr__(self, "_ops_by_device", {})
         object.__setattr__(self, "_compile", True)
         # (stack, M, window, device) -> compiled pass; kept out of the module tree
         object.__setattr__(self, "_compiled", {})
@@ -87,13 +89,23 @@ class SpelModel(nn.Module):
     # --- ops ------------------------------------------------------------------------
     @property
     def ops(self):
-        return self._ops
+        """The ops of the current default device (``auto_ops`` there until set)."""
+        dev = device_name()
+        ops = self._ops_by_device.get(dev)
+        if ops is None:
+            ops = self._ops_by_device[dev] = auto_ops(dev)
+        return ops
 
-    def set_ops(self, ops) -> None:
-        """Swap the ops (an ``MLXOps``; None: ``auto_ops()``); drops the compiled passes.
-        Ops with ``requires_eager`` turn compilation off, other ops turn it on."""
-        self._ops = auto_ops() if ops is None else ops
-        self.compile = not self._ops.requires_eager
+    def set_ops(self, ops, device=None) -> None:
+        """Swap the ops of ``device`` ("cpu" | "gpu"; None: the current default device)
+        for an ``MLXOps`` (None: ``auto_ops()``); drops the compiled passes.  Ops that
+        cannot run there are refused.  Ops with ``requires_eager`` turn compilation
+        off, other ops turn it on."""
+        dev = device_name(device)
+        if ops is not None and not runs_on(ops, dev):
+            raise ValueError(f"ops {type(ops).__name__} cannot run on the {dev} device")
+        self._ops_by_device[dev] = auto_ops(dev) if ops is None else ops
+        self.compile = not any(o.requires_eager for o in self._ops_by_device.values())
 
     # --- the forward over a stack -------------------------------------------------------
     def stack_layers(self, stack: str) -> list:
@@ -163,9 +175,9 @@ class SpelModel(nn.Module):
         """True when an M-row pass gives every row exactly the bits of a single-token
         pass: the ops say so, and every weight's row blocks at 1 and M rows are whole
         16-column vectors (the AVX-512 tiles; others go to the BLAS)."""
-        if not self._ops.rows_independent():
+        if not self.ops.rows_independent():
             return False
-        key = ("rows_independent", stack, M)
+        key = ("rows_independent", stack, M, device_name())
         ok = self._compiled.get(key)
         if ok is None:
             lins = [self.lm_head] + [lin for blk in self.stack_layers(stack) for lin in blk.linears()]

@@ -67,6 +67,11 @@ def threads_from_env(threads) -> int:
 
 
 def _f32(a, shape=None, name="array") -> np.ndarray:
+    if type(a).__module__.startswith("mlx"):
+        # an MLX array (a GPU target's weights, say): host float32 first, since numpy
+        # cannot read bfloat16 buffers
+        import mlx.core as mx
+        a = np.asarray(a.astype(mx.float32))
     a = np.ascontiguousarray(a, dtype=np.float32)
     if shape is not None and tuple(a.shape) != tuple(shape):
         raise ValueError(f"{name}: shape {tuple(a.shape)}, expected {tuple(shape)}")
