@@ -161,8 +161,9 @@ def resolve(path: str | None = None, device=None) -> str:
     if p == "cpu" and dev != "cpu":
         raise DeviceError(f"kernel path 'cpu': the fused CPU primitives run only on the CPU device, "
                           f"not on the {gpu_backend() or 'gpu'} GPU (use auto or mlx)")
-    if p == "metal" and dev != "gpu":
-        raise DeviceError("kernel path 'metal': the Metal kernels run only on the GPU device")
+    if p == "metal" and (dev != "gpu" or gpu_backend() not in ("metal", None)):
+        raise DeviceError("kernel path 'metal': the Metal kernels run only on a Metal GPU, not on "
+                          + ("the CPU device" if dev != "gpu" else f"the {gpu_backend()} GPU"))
     return p
 
 

@@ -89,8 +89,12 @@ class SpelModel(nn.Module):
     # --- ops ------------------------------------------------------------------------
     @property
     def ops(self):
-        """The ops of the current default device (``auto_ops`` there until set)."""
-        dev = device_name()
+        """The ops of the current default device."""
+        return self.ops_for(device_name())
+
+    def ops_for(self, device: str):
+        """The ops of ``device`` ("cpu" | "gpu"): ``auto_ops`` there until set."""
+        dev = device_name(device)
         ops = self._ops_by_device.get(dev)
         if ops is None:
             ops = self._ops_by_device[dev] = auto_ops(dev)
