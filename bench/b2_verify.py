@@ -23,13 +23,15 @@ def get_model(regime: dict):
     return regime["model"]
 
 
-def target_placements() -> list:
-    """[(label, device name or None, reason)]: MLX target on GPU and on CPU. The GPU row
-    is kept with a reason where there is none, so it never silently vanishes."""
+def target_placements(targets=("gpu", "cpu")) -> list:
+    """[(label, device name or None, reason)]: MLX target on GPU and on CPU (those of
+    ``targets``, a job's "targets"). The GPU row is kept with a reason where there is
+    none, so it never silently vanishes."""
     gpu = common.gpu_available()
-    return [("target=mlx-gpu", "gpu" if gpu else None,
+    rows = [("target=mlx-gpu", "gpu" if gpu else None,
              "" if gpu else "MLX reports no GPU on this machine"),
             ("target=mlx-cpu", "cpu", "")]
+    return [r for r in rows if r[0].rsplit("-", 1)[1] in targets]
 
 
 def device_stream(dev: str):
@@ -58,7 +60,7 @@ def run(job: dict, regime: dict) -> list:
     Ks = [k for k in job["b2_K"] if 1 <= k <= 16]
     reps = max(1, job["b2_repeats"])
     rows = []
-    for placement, dev, reason in target_placements():
+    for placement, dev, reason in target_placements(job.get("targets", ("gpu", "cpu"))):
         if dev is None:
             for mode in ("strict", "fast"):
                 for K in Ks:

@@ -157,7 +157,10 @@ def run(job: dict, regime: dict) -> list:
     threads = [t for t in job["threads"] if 1 <= t <= 6]
     rows = []
     gpu = common.gpu_available()
+    targets = job.get("targets", ("gpu", "cpu"))     # the device check measures the GPU alone
     for tgt_label, tgt_dev in (("target=mlx-gpu", "gpu" if gpu else None), ("target=mlx-cpu", "cpu")):
+        if tgt_label.rsplit("-", 1)[1] not in targets:
+            continue
         if tgt_dev is None:
             reason = "MLX reports no GPU on this machine"
             rows.append(unavailable(SECTION, "AR target", reason, regime=name,
