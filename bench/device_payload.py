@@ -3,8 +3,8 @@ mlx-cuda-13 wheel recompressed, the prepared corpus), split over calls that each
 the device tool's transfer limit, and put back together there.  Standard library
 only: it runs before anything is installed.
 
-    here:   python -m bench.device_payload plan SRC_DIR OUT_ROOT [--tree-bytes N]
-            -> OUT_ROOT/call1, call2, ...: carry one per call (docs/gpu.md)
+    here:   python -m bench.device_payload plan SRC_DIR OUT_ROOT --tree-bytes N
+            -> OUT_ROOT/call1, call2, ...: carry one per call (bench/device_wheels.sh)
     there:  stage CARRIED_ROOT STAGE_DIR       (every call: keep what was carried)
             assemble STAGE_DIR DEST_DIR        (once complete: wheels/, corpus/)
 
@@ -18,6 +18,7 @@ is still missing.
 from __future__ import annotations
 
 import argparse
+import glob
 import hashlib
 import json
 import os
@@ -55,7 +56,8 @@ def plan(src: str, out_root: str, tree_bytes: int, limit: int = TRANSFER_LIMIT,
     names = sorted(os.listdir(src), key=lambda n: (os.path.getsize(os.path.join(src, n)), n))
     if not names:
         raise PayloadError(f"{src}: no payload files")
-    shutil.rmtree(out_root, ignore_errors=True)
+    for old in glob.glob(os.path.join(out_root, "call*")):     # an earlier plan's folders only
+        shutil.rmtree(old)
     calls, used, files = [[]], 0, []
     for name in names:
         path = os.path.join(src, name)
@@ -173,7 +175,7 @@ def _tar_to_wheel(tar_path: str, wheel_path: str) -> None:
         for m in t:
             if m.isfile():
                 info = zipfile.ZipInfo(os.path.normpath(m.name), date_time=(2020, 1, 1, 0, 0, 0))
-                info.external_attr = (m.mode & 0o777) << 16
+                info.external_attr = (0o100000 | (m.mode & 0o777)) << 16      # a regular file
                 with t.extractfile(m) as f, z.open(info, "w", force_zip64=True) as g:
                     shutil.copyfileobj(f, g, 1 << 20)
 
