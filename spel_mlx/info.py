@@ -1,7 +1,7 @@
 """``python -m spel_mlx.info [--preset P] [--config k=v,...]``
 
-Prints which BLAS MLX resolved, the MLX version and device, whether Metal is
-available, the sequence-kernel path, the effective configuration and its
+Prints which BLAS MLX resolved, the MLX version and device, its GPU (Metal, CUDA or
+none, with why), the sequence-kernel path, the effective configuration and its
 parameter counts / FP32 sizes.  A bad configuration is a one-line error, exit 2.
 """
 from __future__ import annotations
@@ -29,19 +29,24 @@ def _mib(nbytes: int) -> str:
     return f"{nbytes:,} B ({nbytes / 2**20:.2f} MiB)"
 
 
+def _gpu() -> str:
+    try:
+        from .model import backends
+        gpu = backends.gpu_backend()
+        return f"{gpu} (generate --placement gpu)" if gpu else f"none: {backends.no_gpu_reason()}"
+    except Exception as e:  # noqa: BLE001  (the rest of the report still prints)
+        return f"unknown ({type(e).__name__}: {e})"
+
+
 def report(cfg) -> list:
     import mlx.core as mx
     blas = spel_mlx.blas_info()
-    try:
-        metal = bool(mx.metal.is_available())
-    except Exception:
-        metal = False
     target, draft = cfg.target_params(), cfg.draft_params()
     shared = 2 * cfg.vocab * cfg.d_model + cfg.d_model
     lines = [
         f"blas:           {blas.get('kind')}  {blas.get('path') or ''}  {blas.get('detail') or ''}".rstrip(),
         f"mlx:            {mx.__version__}  default device {mx.default_device()}",
-        f"metal:          {'available' if metal else 'not available'}",
+        f"gpu:            {_gpu()}",
         f"kernels:        {_kernel_path()}",
         "config:         " + ",".join(f"{k}={':'.join(map(str, v)) if k == 'draft_map' else v}"
                                       for k, v in cfg.to_dict().items()),
