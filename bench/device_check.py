@@ -31,6 +31,7 @@ import time
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 from bench import device_payload as payload  # noqa: E402  (standard library only)
+from bench.common import ERROR, merge_runs, unavailable  # noqa: E402
 from bench.device_pack import judgement, pack  # noqa: E402
 
 SCHEMA = "spel-mlx-device-check/1"
@@ -285,8 +286,8 @@ def bench(ck: Check) -> str:
                 res = json.load(f)
         else:
             why = "timed out" if rc == "timeout" else f"exit {rc}: {tail.strip()[-300:]}"
-            res = {"rows": [{"section": s, "name": f"{s} section", "regime": job["regime"], "status": "error",
-                             "note": f"device check job {why}", "metrics": {}} for s in job["sections"]],
+            res = {"rows": [unavailable(s, f"{s} section", f"device check job {why}", status=ERROR,
+                                        regime=job["regime"]) for s in job["sections"]],
                    "meta": {"job": job, "error": why}}
         rows += res["rows"]
         metas.append(res["meta"])
@@ -312,10 +313,7 @@ def _write_bench_doc(path, jobs, rows, metas, ck) -> None:
     doc = {"schema": "spel-mlx-bench/1", "level": "device", "params": params,
            "created": ck.summary["created"], "wall_s": round(time.monotonic() - ck.t0, 1),
            "machine": ck.summary.get("machine", {}).get("machine", {}), "regimes": regimes,
-           "rows": [{**r, "metrics": {k: {"median": v, "min": v, "max": v, "runs": [v]}
-                                      if isinstance(v, (int, float)) and not isinstance(v, bool) else v
-                                      for k, v in (r.get("metrics") or {}).items()}} for r in rows],
-           "process_meta": metas}
+           "rows": merge_runs([rows]), "process_meta": metas}
     with open(path, "w") as f:
         json.dump(doc, f, default=str)
 

@@ -21,20 +21,14 @@ import re
 import shutil
 import tarfile
 
+from .device_payload import sha256
+
 MAX_FILES, MAX_FILE_BYTES, MAX_TOTAL_BYTES = 8, 16 * 2**20, 64 * 2**20
 LOG_HEAD, LOG_TAIL = 512 * 2**10, 3 * 2**20
 OWN = re.compile(r"^(device_check\.json|benchmarks\.json|device_check\.log|model\.tar\.part-\d+)$")
 # the shipped model (docs/training.md): held-out target loss, greedy alpha at K=4 over
 # 24 and over 8 held-out prompts, and the repository's size rule
 SHIPPED = {"heldout_nats": 3.107, "alpha_k4_24": 0.776, "alpha_k4_8": 0.725, "size_mb_max": 40.0}
-
-
-def _sha256(path: str) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
 
 
 def _copy_log(src: str, dst: str) -> None:
@@ -63,7 +57,7 @@ def _model_tar(model_dir: str) -> tuple:
                 info.mtime, info.uid, info.gid, info.uname, info.gname = 0, 0, 0, "", ""
                 with open(path, "rb") as f:
                     t.addfile(info, f)
-                files.append({"name": name, "size": info.size, "sha256": _sha256(path)})
+                files.append({"name": name, "size": info.size, "sha256": sha256(path)})
     return buf.getvalue(), files
 
 

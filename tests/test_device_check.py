@@ -143,7 +143,10 @@ def test_dry_run_two_calls(tmp_path):
     assert any(r["name"] == "forced 1.00" and r["K"] == 3 and r["status"] == "ok" for r in rows)   # the ceiling
     gpu = [r for r in rows if "target=mlx-gpu" in (r.get("placement") or "")]
     assert gpu and all(r["status"] == "not available" and "no GPU" in r["note"] for r in gpu)
-    assert s["bench"]["rows"] == len(rows) and s["bench"]["gpu_rows_ok"] == 0
+    assert s["bench"]["rows"] == len(rows) and s["bench"]["gpu_rows_ok"] == 0 and s["bench"]["errors"] == 0
+    r = subprocess.run([sys.executable, "-m", "bench", "--from-json", str(out / "benchmarks.json"), "--out",
+                        str(tmp_path / "render"), "--no-plots"], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and "## B2" in (tmp_path / "render" / "benchmarks.md").read_text(), r.stderr
 
     # training, its report, the judgement's inputs
     t = s["train"]
