@@ -420,7 +420,7 @@ def main(argv=None) -> int:
     stage_dir = os.environ.get("SPEL_DC_STAGE") or os.path.join(
         tempfile.gettempdir(), "spel-device-stage" + ("-dry" if a.dry_run else ""))
     ck.say(f"device check ({ck.summary['mode']}): budget {budget:.0f} s, work {ck.work}, out {a.outdir}")
-    ck.step("payload", lambda: stage_payload(ck, carried, stage_dir))
+    payload_ok = ck.step("payload", lambda: stage_payload(ck, carried, stage_dir))
     pl = ck.summary.get("payload", {})
     if pl.get("calls") and not pl.get("complete"):
         nxt = pl["missing_calls"][0]
@@ -430,11 +430,11 @@ def main(argv=None) -> int:
         ck.save()
         pack(ck.summary, a.outdir, None, ck.log_path, ck.mode["part_bytes"], None)
         return 3
-    # no MLX (install) or no GPU (check) ends the check; a failed build leaves the
-    # source tree's pure-Python package, without the parts it could not build
+    # a damaged payload, no MLX (install) or no GPU (check) ends the check; a failed
+    # build leaves the source tree's pure-Python package, without the parts it could not build
     for name, fn in (("install", install), ("build", build), ("check", check)):
-        if (not only or name in only or name == "check") and not ck.step(name, lambda fn=fn: fn(ck)) \
-                and name != "build":
+        if not payload_ok or (not only or name in only or name == "check") and \
+                not ck.step(name, lambda fn=fn: fn(ck)) and name != "build":
             break
     else:
         for name, fn in (("bench", bench), ("train", train), ("report", report)):

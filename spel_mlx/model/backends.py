@@ -30,7 +30,6 @@ from .ops import MLXOps
 
 PATHS = ("auto", "mlx", "cpu", "metal", "emulated")
 DEVICES = ("cpu", "gpu")
-PLACEMENTS = ("gpu", "cpu", "auto")
 _selected = None
 
 
@@ -116,12 +115,9 @@ def placement_device(placement: str | None = None) -> str:
 
 
 @contextmanager
-def device_scope(name: str | None):
+def device_scope(name: str):
     """Run the block with ``name`` ("cpu" | "gpu") as MLX's default device on this
-    thread (MLX's defaults are per thread); None: leave it as it is."""
-    if name is None:
-        yield
-        return
+    thread (MLX's defaults are per thread)."""
     with mx.stream(mx_device(name)):
         yield
 
