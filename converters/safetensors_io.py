@@ -16,7 +16,7 @@ import os
 import numpy as np
 
 from spel_mlx.checkpoints.files import AtomicFile, drop_pages, map_file, write_f32
-from spel_mlx.checkpoints.rules import CheckpointError
+from spel_mlx.checkpoints.rules import CheckpointError, load_json
 
 # safetensors dtype -> (numpy dtype of the stored bytes, itemsize).  BF16 is read
 # as raw u16 and widened by hand (numpy has no bfloat16).
@@ -120,14 +120,7 @@ class SafetensorsFile:
             raise CheckpointError(p, f"header length {n} exceeds the file ({size} bytes)"
                                   if 8 + n > size else f"header length {n} exceeds {MAX_HEADER}",
                                   offset=0, field="header length")
-        raw = bytes(self.mm[8:8 + n])
-        try:
-            hdr = json.loads(raw.decode("utf-8"))
-        except UnicodeDecodeError as e:
-            raise CheckpointError(p, f"bad JSON header: not UTF-8 ({e.reason})", offset=8 + e.start,
-                                  field="header") from None
-        except json.JSONDecodeError as e:
-            raise CheckpointError(p, f"bad JSON header: {e.msg}", offset=8 + e.pos, field="header") from None
+        hdr = load_json(bytes(self.mm[8:8 + n]), p, "header", offset=8)
         if not isinstance(hdr, dict):
             raise CheckpointError(p, "bad JSON header: not an object", offset=8, field="header")
         meta = hdr.pop("__metadata__", None) or {}

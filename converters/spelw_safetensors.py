@@ -17,11 +17,12 @@ import os
 
 import numpy as np
 
-from spel_mlx.config import ConfigError, ModelConfig
+from spel_mlx.config import ModelConfig
 from spel_mlx.layout import GOLDEN_DRAFT, GOLDEN_TARGET, GOLDEN_TOKENS, tensor_specs
 from spel_mlx.checkpoints.files import AtomicFile, Progress
 from spel_mlx.checkpoints.footer import Golden, footer_nbytes
-from spel_mlx.checkpoints.rules import CheckpointError
+from spel_mlx.checkpoints.rules import (STORED_FIELDS, CheckpointError, check_golden_count, config_from_fields, load_json,
+                                        read_json_file)
 from spel_mlx.checkpoints.spelw import FLAG_GOLDEN, HEADER_SIZE, SpelwWriter, read_spelw
 
 from .safetensors_io import FLOAT_DTYPES, INT_DTYPES, SafetensorsFile, write_safetensors
@@ -30,42 +31,15 @@ MODEL_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 CONFIG_FILE = "config.json"
 GOLDEN_NAMES = (GOLDEN_TOKENS, GOLDEN_TARGET, GOLDEN_DRAFT)
-# Config fields stored in a SPELW001 header (spec_k is runtime-only), in header order.
-HEADER_FIELDS = ("d_model", "n_layers", "n_heads", "head_dim", "d_ff", "vocab", "max_seq",
-                 "attn_period", "rope_theta", "norm_eps", "draft_map")
 META_CONFIG, META_FLAGS, META_FORMAT, META_DTYPE = "spel.config", "spel.flags", "spel.format", "spel.dtype"
+MAX_CONFIG_JSON = 1 << 20        # bytes: a config.json is a few hundred
+MAX_INDEX_JSON = 64 << 20        # bytes: a shard index names each tensor once
 
 
 def config_fields(cfg: ModelConfig) -> dict:
-    d = {k: getattr(cfg, k) for k in HEADER_FIELDS}
+    d = {k: getattr(cfg, k) for k in STORED_FIELDS}
     d["draft_map"] = list(cfg.draft_map)
     return d
-
-
-def config_from_fields(d, path, field: str, offset: int | None = None) -> ModelConfig:
-    """ModelConfig from a parsed JSON object with exactly typed header fields."""
-    if not isinstance(d, dict):
-        raise CheckpointError(path, "config must be a JSON object", offset=offset, field=field)
-    kw = {}
-    for k in HEADER_FIELDS:
-        if k not in d:
-            raise CheckpointError(path, f"config lacks {k!r}", offset=offset, field=field)
-        v = d[k]
-        if k == "draft_map":
-            ok = isinstance(v, list) and all(isinstance(x, int) and not isinstance(x, bool) for x in v)
-            v = tuple(v) if ok else v
-        elif k in ("rope_theta", "norm_eps"):
-            ok = isinstance(v, (int, float)) and not isinstance(v, bool)
-            v = float(v) if ok else v
-        else:
-            ok = isinstance(v, int) and not isinstance(v, bool)
-        if not ok:
-            raise CheckpointError(path, f"config {k}={v!r} has the wrong type", offset=offset, field=field)
-        kw[k] = v
-    try:
-        return ModelConfig(**kw).validate()
-    except ConfigError as e:
-        raise CheckpointError(path, f"invalid config: {e}", offset=offset, field=field) from None
 
 
 def config_json(cfg: ModelConfig, dtype: str = "float32") -> dict:
@@ -81,12 +55,16 @@ def _st_files(src: str):
     if os.path.isdir(src):
         idx = os.path.join(src, INDEX_FILE)
         if os.path.exists(idx):
-            try:
-                with open(idx, encoding="utf-8") as f:
-                    wm = json.load(f)["weight_map"]
-                files = sorted(set(wm.values()))
-            except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
-                raise CheckpointError(idx, f"bad shard index: {e}", field="weight_map") from None
+            wm = read_json_file(idx, "shard index", MAX_INDEX_JSON)
+            wm = wm.get("weight_map") if isinstance(wm, dict) else None
+            if not isinstance(wm, dict) or not all(isinstance(v, str) for v in wm.values()):
+                raise CheckpointError(idx, "bad shard index: weight_map must map tensor names to file names",
+                                      field="weight_map")
+            files = sorted(set(wm.values()))
+            bad = [x for x in files if os.path.basename(x) != x or x in ("", ".", "..")]
+            if bad:
+                raise CheckpointError(idx, f"bad shard index: {bad[0]!r} is not a file name in the folder",
+                                      field="weight_map")
             return [os.path.join(src, x) for x in files], src
         main = os.path.join(src, MODEL_FILE)
         if os.path.exists(main):
@@ -134,26 +112,18 @@ class SafetensorsModel:
     def _config(self, main: SafetensorsFile, folder: str) -> ModelConfig:
         meta_cfg = None
         if META_CONFIG in self.metadata:
-            try:
-                d = json.loads(self.metadata[META_CONFIG])
-            except ValueError as e:
-                raise CheckpointError(main.path, f"__metadata__ {META_CONFIG} is not JSON: {e}", offset=8,
-                                      field=META_CONFIG) from None
+            d = load_json(self.metadata[META_CONFIG], main.path, f"__metadata__.{META_CONFIG}")
             meta_cfg = config_from_fields(d, main.path, f"__metadata__.{META_CONFIG}", 8)
         cj = os.path.join(folder, CONFIG_FILE)
         json_cfg = None
         if os.path.exists(cj):
-            try:
-                with open(cj, encoding="utf-8") as f:
-                    d = json.load(f)
-            except (OSError, ValueError) as e:
-                raise CheckpointError(cj, f"bad JSON: {e}", field="config.json") from None
+            d = read_json_file(cj, CONFIG_FILE, MAX_CONFIG_JSON)
             json_cfg = config_from_fields(d, cj, "config.json")
         if meta_cfg is None and json_cfg is None:
             raise CheckpointError(main.path, f"no model config: neither __metadata__['{META_CONFIG}'] "
                                   f"nor {CONFIG_FILE} beside it", offset=8, field="__metadata__")
         if meta_cfg is not None and json_cfg is not None and meta_cfg != json_cfg:
-            diff = [k for k in HEADER_FIELDS if getattr(meta_cfg, k) != getattr(json_cfg, k)]
+            diff = [k for k in STORED_FIELDS if getattr(meta_cfg, k) != getattr(json_cfg, k)]
             raise CheckpointError(cj, f"config.json contradicts {main.path} __metadata__ on {', '.join(diff)}",
                                   field=diff[0])
         return meta_cfg if meta_cfg is not None else json_cfg
@@ -194,6 +164,7 @@ class SafetensorsModel:
             if len(t.shape) != 1 or t.shape[0] < 1:
                 self._err(t, f"shape {list(t.shape)}, expected [n] with n >= 1")
             n = t.shape[0]
+            check_golden_count(n, cfg, t.file.path, offset=t.start, field=GOLDEN_TOKENS)
             for name in (GOLDEN_TARGET, GOLDEN_DRAFT):
                 e = ents[name]
                 if e.dtype not in FLOAT_DTYPES:

@@ -7,14 +7,40 @@ defaults, and an *explicit* override that contradicts it is an error.
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
-from dataclasses import dataclass, field
+import struct
+from dataclasses import dataclass
 
 MAX_DRAFT = 8  # SPELW001 header has 8 draft_map bytes
 
+# Upper bounds of the integer fields, far above any real model.  Every ModelConfig is
+# checked against them (validate), so a checkpoint's header or config.json is refused
+# before anything is sized from it, and no configuration is written that the readers
+# would refuse.  d_model and n_heads*head_dim stay <= 2^17 so that every q8 dot
+# product (127 * 127 * columns) is exact in int32 in the C draft.
+LIMITS = {"d_model": 1 << 17, "n_layers": 4096, "n_heads": 1 << 16, "head_dim": 1 << 16,
+          "d_ff": 1 << 22, "vocab": 1 << 24, "max_seq": 1 << 24, "attn_period": 1 << 16, "spec_k": 16}
+MAX_INNER = 1 << 17        # n_heads * head_dim
+MAX_DRAFT_SOURCE = 254     # draft_map entries are u8 in the header, 0xFF meaning unused
+
 
 class ConfigError(ValueError):
-    """A configuration value is unknown, malformed or inconsistent."""
+    """A configuration value is unknown, malformed or inconsistent; ``field`` names it."""
+
+    def __init__(self, msg: str, field: str | None = None):
+        super().__init__(msg)
+        self.field = field
+
+
+def _f32_positive(v) -> bool:
+    """v is a finite number whose float32 (as SPELW001 stores it) is finite and > 0."""
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+        return False
+    try:
+        return struct.unpack("<f", struct.pack("<f", v))[0] > 0
+    except OverflowError:
+        return False
 
 
 @dataclass(frozen=True)
@@ -75,29 +101,32 @@ class ModelConfig:
         return sum(self.layer_params(i) for i in self.draft_map)
 
     def validate(self) -> "ModelConfig":
-        ints = ("d_model", "n_layers", "n_heads", "head_dim", "d_ff", "vocab",
-                "max_seq", "attn_period", "spec_k")
-        for name in ints:
+        """Check every field against LIMITS; returns self or raises ConfigError naming it."""
+        for name, cap in LIMITS.items():
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-                raise ConfigError(f"{name}={v!r}: must be a positive integer")
+                raise ConfigError(f"{name}={v!r}: must be a positive integer", name)
+            if v > cap:
+                raise ConfigError(f"{name}={v} out of range 1..{cap}", name)
         if self.head_dim % 2:
-            raise ConfigError(f"head_dim={self.head_dim}: must be even (RoPE rotates pairs)")
-        if self.inner > 1 << 20 or self.d_model > 1 << 20 or self.d_ff > 1 << 22:
-            raise ConfigError("model dimensions are implausibly large")
-        if self.vocab > 1 << 24 or self.max_seq > 1 << 24:
-            raise ConfigError("vocab or max_seq is implausibly large")
-        if not (1 <= self.spec_k <= 16):
-            raise ConfigError(f"spec_k={self.spec_k}: must be in 1..16")
-        if not (self.rope_theta > 0) or not (self.norm_eps > 0):
-            raise ConfigError("rope_theta and norm_eps must be positive")
-        if len(self.draft_map) > MAX_DRAFT:
-            raise ConfigError(f"n_draft={len(self.draft_map)}: at most {MAX_DRAFT} draft layers")
-        if len(self.draft_map) == 0:
-            raise ConfigError("draft_map is empty: the draft needs at least one layer")
-        for j in self.draft_map:
-            if not isinstance(j, int) or not (0 <= j < self.n_layers):
-                raise ConfigError(f"draft_map entry {j!r} out of range 0..{self.n_layers - 1}")
+            raise ConfigError(f"head_dim={self.head_dim}: must be even (RoPE rotates pairs)", "head_dim")
+        if self.inner > MAX_INNER:
+            raise ConfigError(f"n_heads*head_dim={self.inner} out of range 1..{MAX_INNER}", "n_heads")
+        for name in ("rope_theta", "norm_eps"):
+            v = getattr(self, name)
+            if not _f32_positive(v):
+                raise ConfigError(f"{name}={v!r}: must be finite and positive as a float32", name)
+        dmap = self.draft_map
+        if not isinstance(dmap, (tuple, list)):
+            raise ConfigError(f"draft_map={dmap!r}: must be a list of layer indices", "draft_map")
+        if len(dmap) > MAX_DRAFT:
+            raise ConfigError(f"n_draft={len(dmap)}: at most {MAX_DRAFT} draft layers", "draft_map")
+        if not dmap:
+            raise ConfigError("draft_map is empty: the draft needs at least one layer", "draft_map")
+        top = min(self.n_layers - 1, MAX_DRAFT_SOURCE)
+        for i, j in enumerate(dmap):
+            if not isinstance(j, int) or isinstance(j, bool) or not (0 <= j <= top):
+                raise ConfigError(f"draft_map[{i}]={j!r} out of range 0..{top}", f"draft_map[{i}]")
         return self
 
     def replace(self, **kw) -> "ModelConfig":

@@ -10,7 +10,7 @@ import spel_mlx  # noqa: F401
 from spel_mlx.checkpoints import CheckpointError, Golden, spelw
 from spel_mlx.checkpoints.footer import FOOTER_MAGIC, footer_nbytes
 from spel_mlx.checkpoints.spelw import HEADER_SIZE, header_bytes, parse_header, read_header, read_spelw, write_spelw
-from spel_mlx.config import PRESETS, ModelConfig
+from spel_mlx.config import LIMITS, MAX_INNER, PRESETS, ModelConfig
 from spel_mlx.layout import tensor_specs, weights_nbytes
 
 TINY = ModelConfig(d_model=64, n_layers=4, n_heads=2, head_dim=16, d_ff=128, vocab=128, max_seq=64,
@@ -273,8 +273,8 @@ def test_bad_footer(tiny_file, tmp_path):
 
 def test_huge_claims_allocate_nothing(tmp_path):
     # header claims the largest allowed dims in a 64-byte file: rejected from sizes alone
-    cfg = ModelConfig(d_model=1 << 20, n_layers=4096, n_heads=16384, head_dim=64, d_ff=1 << 22, vocab=1 << 24,
-                      max_seq=16, draft_map=(0,))
+    cfg = ModelConfig(d_model=LIMITS["d_model"], n_layers=LIMITS["n_layers"], n_heads=MAX_INNER // 64, head_dim=64,
+                      d_ff=LIMITS["d_ff"], vocab=LIMITS["vocab"], max_seq=16, draft_map=(0,))
     q = tmp_path / "huge.spelw"
     q.write_bytes(header_bytes(cfg, 1))
     tracemalloc.start()

@@ -7,10 +7,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .rules import CheckpointError
+from .rules import CheckpointError, check_golden_count
 
 FOOTER_MAGIC = b"SPELV001"
-MAX_GOLDEN = 1 << 20
 
 
 @dataclass
@@ -25,13 +24,14 @@ class Golden:
     def n(self) -> int:
         return int(self.tokens.shape[0])
 
-    def check(self, vocab: int, path="<golden>"):
+    def check(self, cfg, path="<golden>"):
+        """The readers' rules for a footer of ``cfg`` (before writing one)."""
         t = np.asarray(self.tokens)
-        n = t.shape[0] if t.ndim == 1 else -1
-        if t.ndim != 1 or not (1 <= n <= MAX_GOLDEN):
-            raise CheckpointError(path, f"golden tokens must be a 1-D array of 1..{MAX_GOLDEN}, got shape {t.shape}",
-                                  field="golden.tokens")
-        if t.dtype.kind not in "iu" or (n and (int(t.min()) < 0 or int(t.max()) >= vocab)):
+        if t.ndim != 1:
+            raise CheckpointError(path, f"golden tokens must be a 1-D array, got shape {t.shape}", field="golden.tokens")
+        n, vocab = t.shape[0], cfg.vocab
+        check_golden_count(n, cfg, path)
+        if t.dtype.kind not in "iu" or int(t.min()) < 0 or int(t.max()) >= vocab:
             raise CheckpointError(path, f"golden tokens must be integers in 0..{vocab - 1}", field="golden.tokens")
         for name, a in (("golden.target_logits", self.target_logits), ("golden.draft_logits", self.draft_logits)):
             a = np.asarray(a)

@@ -11,18 +11,17 @@ destination directory and renames it into place, so a failure leaves no output.
 """
 from __future__ import annotations
 
-import math
 import os
 import struct
 from dataclasses import dataclass, field
 
 import numpy as np
 
-from ..config import MAX_DRAFT, ConfigError, ModelConfig
+from ..config import MAX_DRAFT, ModelConfig
 from ..layout import TensorSpec, tensor_specs
 from .files import AtomicFile, PageDroppingWeights, drop_pages, map_file, write_f32
-from .footer import FOOTER_MAGIC, MAX_GOLDEN, Golden, footer_nbytes
-from .rules import CheckpointError
+from .footer import FOOTER_MAGIC, Golden, footer_nbytes
+from .rules import CheckpointError, check_golden_count, config_from_fields
 
 MAGIC = b"SPELW001"
 HEADER_SIZE = 64
@@ -36,26 +35,18 @@ HEADER_U32 = (("d_model", 8), ("n_layers", 12), ("n_heads", 16), ("head_dim", 20
               ("n_draft", 40))
 OFF_DRAFT_MAP, OFF_ROPE_THETA, OFF_NORM_EPS, OFF_FLAGS = 44, 52, 56, 60
 
-# Caps on header dimensions, far above any real model, so that a corrupt header
-# is rejected before anything is sized from it.
-HEADER_CAPS = {"d_model": 1 << 20, "n_layers": 4096, "n_heads": 1 << 16, "head_dim": 1 << 16,
-               "d_ff": 1 << 22, "vocab": 1 << 24, "max_seq": 1 << 24, "attn_period": 1 << 16,
-               "n_draft": MAX_DRAFT}
+HEADER_OFFSETS = dict(HEADER_U32, draft_map=OFF_DRAFT_MAP, rope_theta=OFF_ROPE_THETA, norm_eps=OFF_NORM_EPS,
+                      **{f"draft_map[{j}]": OFF_DRAFT_MAP + j for j in range(MAX_DRAFT)})
 
 
 # --------------------------------------------------------------------------- header
 
 def header_bytes(cfg: ModelConfig, flags: int) -> bytes:
     """The 64 header bytes for ``cfg`` (spec_k is runtime-only and not stored)."""
-    cfg.validate()
+    cfg.validate()   # the readers' rules: every field in range, floats finite as f32
     if flags & ~KNOWN_FLAGS:
         raise ValueError(f"flags=0x{flags:x}: only bit 0 (golden footer) is defined")
-    if any(j >= UNUSED_DRAFT for j in cfg.draft_map):
-        raise ValueError("draft_map entries must be < 255 to fit the u8 header field")
     ints = [getattr(cfg, name) for name, _ in HEADER_U32[:-1]] + [cfg.n_draft]
-    for (name, _), v in zip(HEADER_U32, ints):
-        if v > HEADER_CAPS[name]:
-            raise ValueError(f"{name}={v} exceeds the SPELW001 reader's cap {HEADER_CAPS[name]}")
     dmap = list(cfg.draft_map) + [UNUSED_DRAFT] * (MAX_DRAFT - cfg.n_draft)
     # struct 'f' rounds the Python float to the nearest f32: a value read from a
     # header (an exact f32) is written back bit-identically.
@@ -98,45 +89,23 @@ def parse_header(buf: bytes, path="<buffer>", file_size: int | None = None) -> S
         raise CheckpointError(path, f"truncated header: {len(buf)} of {HEADER_SIZE} bytes",
                               offset=len(buf), field="header")
     vals = dict(zip((n for n, _ in HEADER_U32), struct.unpack_from("<9I", buf, 8)))
-    for name, off in HEADER_U32:
-        v = vals[name]
-        if not (1 <= v <= HEADER_CAPS[name]):
-            raise CheckpointError(path, f"header field {name}={v} out of range 1..{HEADER_CAPS[name]}",
-                                  offset=off, field=name)
-    if vals["head_dim"] % 2:
-        raise CheckpointError(path, f"head_dim={vals['head_dim']} must be even (RoPE rotates pairs)",
-                              offset=20, field="head_dim")
-    if vals["n_heads"] * vals["head_dim"] > 1 << 20:
-        raise CheckpointError(path, f"n_heads*head_dim={vals['n_heads'] * vals['head_dim']} is implausibly large",
-                              offset=16, field="n_heads")
-    n_draft = vals["n_draft"]
+    n_draft = vals.pop("n_draft")
+    if not 1 <= n_draft <= MAX_DRAFT:
+        raise CheckpointError(path, f"header field n_draft={n_draft} out of range 1..{MAX_DRAFT}",
+                              offset=HEADER_OFFSETS["n_draft"], field="n_draft")
     dmap = list(buf[OFF_DRAFT_MAP:OFF_DRAFT_MAP + MAX_DRAFT])
     for j, v in enumerate(dmap):
-        off = OFF_DRAFT_MAP + j
+        off, name = OFF_DRAFT_MAP + j, f"draft_map[{j}]"
         if j < n_draft and v == UNUSED_DRAFT:
-            raise CheckpointError(path, f"draft_map[{j}]=0xFF (unused) inside n_draft={n_draft}",
-                                  offset=off, field=f"draft_map[{j}]")
-        if j < n_draft and v >= vals["n_layers"]:
-            raise CheckpointError(path, f"draft_map[{j}]={v} out of range 0..{vals['n_layers'] - 1}",
-                                  offset=off, field=f"draft_map[{j}]")
+            raise CheckpointError(path, f"{name}=0xFF (unused) inside n_draft={n_draft}", offset=off, field=name)
         if j >= n_draft and v != UNUSED_DRAFT:
-            raise CheckpointError(path, f"draft_map[{j}]={v} beyond n_draft={n_draft} must be 0xFF",
-                                  offset=off, field=f"draft_map[{j}]")
+            raise CheckpointError(path, f"{name}={v} beyond n_draft={n_draft} must be 0xFF", offset=off, field=name)
     theta, eps, flags = struct.unpack_from("<ffI", buf, OFF_ROPE_THETA)
-    for name, v, off in (("rope_theta", theta, OFF_ROPE_THETA), ("norm_eps", eps, OFF_NORM_EPS)):
-        if not (math.isfinite(v) and v > 0):
-            raise CheckpointError(path, f"header field {name}={v} must be finite and positive", offset=off, field=name)
     if flags & ~KNOWN_FLAGS:
         raise CheckpointError(path, f"flags=0x{flags:08x} has undefined bits (only bit 0, golden footer, exists)",
                               offset=OFF_FLAGS, field="flags")
-    try:
-        cfg = ModelConfig(d_model=vals["d_model"], n_layers=vals["n_layers"], n_heads=vals["n_heads"],
-                          head_dim=vals["head_dim"], d_ff=vals["d_ff"], vocab=vals["vocab"],
-                          max_seq=vals["max_seq"], attn_period=vals["attn_period"],
-                          rope_theta=f32_to_float(theta), norm_eps=f32_to_float(eps),
-                          draft_map=tuple(dmap[:n_draft])).validate()
-    except ConfigError as e:
-        raise CheckpointError(path, f"inconsistent header: {e}", offset=8, field="header") from None
+    vals.update(rope_theta=f32_to_float(theta), norm_eps=f32_to_float(eps), draft_map=dmap[:n_draft])
+    cfg = config_from_fields(vals, path, "header", offset=8, offsets=HEADER_OFFSETS)
     return SpelwHeader(str(path), cfg, flags, -1 if file_size is None else file_size)
 
 
@@ -213,7 +182,7 @@ def read_spelw(path) -> SpelwFile:
             off += s.nbytes
     golden, footer_off = None, None
     if header.has_golden:
-        golden = _parse_footer(mm, path, size, end, cfg.vocab)
+        golden = _parse_footer(mm, path, size, end, cfg)
         footer_off = end
     elif size != end:
         hint = " (it looks like a SPELV001 footer but flags bit 0 is clear)" \
@@ -229,7 +198,8 @@ def read_spelw(path) -> SpelwFile:
     return SpelwFile(path, header, tensors, spans, golden, footer_off, mm)
 
 
-def _parse_footer(mm, path, size, off, vocab) -> Golden:
+def _parse_footer(mm, path, size, off, cfg) -> Golden:
+    vocab = cfg.vocab
     if size < off + 12:
         raise CheckpointError(path, f"flags bit 0 promises a SPELV001 footer at byte {off} but the file ends "
                               f"at byte {size}", offset=off, field="footer")
@@ -238,8 +208,7 @@ def _parse_footer(mm, path, size, off, vocab) -> Golden:
         raise CheckpointError(path, f"bad footer magic {magic!r}, expected {FOOTER_MAGIC!r}",
                               offset=off, field="footer magic")
     n = struct.unpack_from("<I", mm, off + 8)[0]
-    if not (1 <= n <= MAX_GOLDEN):
-        raise CheckpointError(path, f"footer n={n} out of range 1..{MAX_GOLDEN}", offset=off + 8, field="footer n")
+    check_golden_count(n, cfg, path, offset=off + 8, field="footer n")
     need = footer_nbytes(n, vocab)
     if size != off + need:
         raise CheckpointError(path, f"footer with n={n}, vocab={vocab} needs {need} bytes ending at byte "
@@ -313,7 +282,7 @@ class SpelwWriter:
     def write_golden(self, golden: Golden):
         if self.next != len(self.specs):
             raise ValueError(f"{self.out.path}: footer before all tensors (missing {self.specs[self.next].name})")
-        golden.check(self.cfg.vocab, self.out.path)
+        golden.check(self.cfg, self.out.path)
         n = golden.n
         self.f.write(FOOTER_MAGIC + struct.pack("<I", n))
         self.f.write(np.ascontiguousarray(golden.tokens, dtype="<u4").tobytes())
