@@ -19,7 +19,7 @@ import numpy as np
 
 from spel_mlx.config import ModelConfig
 from spel_mlx.layout import GOLDEN_DRAFT, GOLDEN_TARGET, GOLDEN_TOKENS, tensor_specs
-from spel_mlx.checkpoints.files import AtomicFile, Progress
+from spel_mlx.checkpoints.files import AtomicFile, Progress, check_destination
 from spel_mlx.checkpoints.footer import Golden, footer_nbytes
 from spel_mlx.checkpoints.rules import (STORED_FIELDS, CheckpointError, check_golden_count, config_from_fields, load_json,
                                         read_json_file)
@@ -86,6 +86,7 @@ class SafetensorsModel:
         src = os.fspath(src)
         self.src = src
         paths, folder = _st_files(src)
+        self.folder = folder
         self.files = [SafetensorsFile(p) for p in paths]
         self.entries = {}
         for sf in self.files:
@@ -196,6 +197,12 @@ class SafetensorsModel:
                       self.f32(GOLDEN_DRAFT))
 
     @property
+    def source_paths(self) -> list:
+        """Every file this model is read from (data, config.json, shard index)."""
+        extra = [os.path.join(self.folder, n) for n in (CONFIG_FILE, INDEX_FILE)]
+        return [f.path for f in self.files] + [p for p in extra if os.path.exists(p)]
+
+    @property
     def nbytes(self) -> int:
         return sum(e.end - e.start for e in self.entries.values())
 
@@ -220,6 +227,7 @@ def spelw_to_safetensors(src, dst_dir, dtype: str = "F32", progress=None, golden
     dtype = dtype.upper()
     if dtype not in FLOAT_DTYPES:
         raise ValueError(f"dtype {dtype!r}: expected one of {', '.join(FLOAT_DTYPES)}")
+    check_destination(dst_dir, [src], [os.path.join(dst_dir, n) for n in (MODEL_FILE, CONFIG_FILE)])
     sp = read_spelw(src)
     cfg = sp.cfg
     g = golden if golden is not None else sp.golden
@@ -266,6 +274,7 @@ def safetensors_to_spelw(src, dst, progress=None):
     F16/BF16 tensors are widened to F32 exactly (every F16/BF16 value is an F32 value).
     """
     st = SafetensorsModel(src)
+    check_destination(dst, [src, *st.source_paths], [dst])
     cfg = st.cfg
     g = st.golden()
     with SpelwWriter(dst, cfg, progress=progress) as w:

@@ -1,11 +1,13 @@
 """Convert checkpoints between SPELW001 and a safetensors model folder.
 
-    python -m spel_mlx.convert SRC DST [--dtype f32|f16|bf16] [--quiet]
+    python -m spel_mlx.convert SRC DST [--dtype f32|f16|bf16] [--force] [--quiet]
 
 Direction by SRC: a folder or a ``.safetensors`` file -> DST is a SPELW001 file;
 any other file (``.spelw``, ``.bin``, ...) is read as SPELW001 -> DST is a folder
 (``model.safetensors`` + ``config.json``).  Streams tensor by tensor; output is
-written to temp files and renamed, so a failure leaves nothing behind.
+written to temp files and renamed, so a failure leaves nothing behind (and the temp
+files of a killed conversion are removed by the next one to the same place).  DST
+may not be, contain or lie inside SRC; an existing DST is replaced only with --force.
 ``--dtype f16|bf16`` (SPELW001 -> folder only) rounds the weights and recomputes
 the golden logits for the rounded weights.  Exit 2 on bad input, one line on stderr.
 """
@@ -53,20 +55,23 @@ def rounded_golden(src: str, dtype: str, progress: bool):
     return Golden(np.array(sp.golden.tokens), tl, dl)
 
 
-def convert(src: str, dst: str, dtype: str = "F32", progress: bool = True) -> str:
+def convert(src: str, dst: str, dtype: str = "F32", progress: bool = True, force: bool = False) -> str:
+    """Convert SRC into DST (direction by SRC).  Refuses a DST that is, contains or lies
+    inside SRC, and one that already exists unless ``force``."""
+    from .checkpoints.files import check_destination
     from .converters import safetensors_to_spelw, spelw_to_safetensors
-    from .converters.spelw_safetensors import SafetensorsModel, spelw_size
+    from .converters.spelw_safetensors import CONFIG_FILE, MODEL_FILE, SafetensorsModel, spelw_size
 
     if not os.path.exists(src):
         raise CheckpointError(src, "no such file or folder")
-    if os.path.abspath(src) == os.path.abspath(dst):
-        raise CheckpointError(dst, "destination is the source")
     if direction(src) == "st2spelw":
         if dtype != "F32":
             raise ConfigError("--dtype applies to SPELW001 -> safetensors only (SPELW001 stores FP32)")
         if os.path.isdir(dst):
             raise CheckpointError(dst, "destination is a folder; a SPELW001 file path is expected")
         st = SafetensorsModel(src)  # validated here, before anything is created
+        check_destination(dst, [src, *st.source_paths], [dst])
+        _refuse_existing([dst], force)
         g = st.golden()
         total = spelw_size(st.cfg, g.n if g is not None else None)
         prog = Progress(f"convert {os.path.basename(os.path.normpath(src))} -> {os.path.basename(dst)}",
@@ -76,11 +81,20 @@ def convert(src: str, dst: str, dtype: str = "F32", progress: bool = True) -> st
         return "safetensors -> SPELW001"
     if os.path.exists(dst) and not os.path.isdir(dst):
         raise CheckpointError(dst, "destination is a file; a folder is expected for SPELW001 -> safetensors")
+    outputs = [os.path.join(dst, MODEL_FILE), os.path.join(dst, CONFIG_FILE)]
+    check_destination(dst, [src], outputs)
+    _refuse_existing(outputs, force)
     golden = rounded_golden(src, dtype, progress) if dtype != "F32" else None
     prog = Progress(f"convert {os.path.basename(src)} -> {os.path.basename(os.path.normpath(dst))}",
                     os.path.getsize(src), enabled=progress)
     spelw_to_safetensors(src, dst, dtype=dtype, progress=prog, golden=golden)
     return f"SPELW001 -> safetensors ({dtype})"
+
+
+def _refuse_existing(outputs, force: bool):
+    for o in outputs:
+        if os.path.lexists(o) and not force:
+            raise CheckpointError(o, "already exists: pass --force to replace it")
 
 
 def main(argv=None) -> int:
@@ -89,9 +103,10 @@ def main(argv=None) -> int:
     ap.add_argument("dst")
     ap.add_argument("--dtype", default="f32", type=str.upper, choices=("F32", "F16", "BF16"))
     ap.add_argument("--quiet", action="store_true")
+    ap.add_argument("--force", action="store_true", help="replace an existing destination")
     a = ap.parse_args(argv)
     try:
-        what = convert(a.src, a.dst, a.dtype, progress=not a.quiet)
+        what = convert(a.src, a.dst, a.dtype, progress=not a.quiet, force=a.force)
     except (CheckpointError, ConfigError, ValueError) as e:
         print(f"convert: error: {e}", file=sys.stderr)
         return 2

@@ -25,6 +25,7 @@ from ._cli import internal_error
 from .config import ConfigError, ModelConfig, resolve_config
 from .layout import TensorSpec, tensor_specs
 from .checkpoints import CheckpointError, Golden, Progress, SpelwWriter, read_spelw
+from .checkpoints.rules import check_memory
 
 
 def synth_tensor(spec: TensorSpec, seed: int, index: int) -> np.ndarray:
@@ -92,6 +93,7 @@ def main(argv=None) -> int:
             raise ConfigError(f"--golden-n={a.golden_n}: must be in 1..max_seq={cfg.max_seq}")
         if a.seed < 0:
             raise ConfigError(f"--seed={a.seed}: must be >= 0")
+        check_memory(cfg, a.out)
         info = write_synth(a.out, cfg, a.seed, a.golden_n, a.draft, progress=not a.quiet, target=a.target)
     except (ConfigError, CheckpointError, ValueError) as e:
         print(f"synth: error: {e}", file=sys.stderr)

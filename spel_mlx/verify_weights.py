@@ -101,7 +101,7 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
     try:
         ok = verify(a.file, a.config, a.draft, target_backend=a.target)
-    except (CheckpointError, ConfigError) as e:
+    except (CheckpointError, ConfigError, ValueError) as e:   # ValueError: the C draft refusing weights
         print(f"verify_weights: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

@@ -12,8 +12,8 @@ folder).  See docs/checkpoints.md.
 from .files import Progress
 from .footer import Golden
 from .load import Checkpoint, default_checkpoint_dir, is_spelw, load_checkpoint
-from .rules import CheckpointError
+from .rules import CheckpointError, CheckpointTooLarge, NonFiniteWeightsWarning
 from .spelw import SpelwFile, SpelwWriter, read_header, read_spelw, write_spelw
 
-__all__ = ["CheckpointError", "Golden", "Progress", "Checkpoint", "load_checkpoint", "default_checkpoint_dir",
+__all__ = ["CheckpointError", "CheckpointTooLarge", "NonFiniteWeightsWarning", "Golden", "Progress", "Checkpoint", "load_checkpoint", "default_checkpoint_dir",
            "is_spelw", "SpelwFile", "SpelwWriter", "read_header", "read_spelw", "write_spelw"]

@@ -4,12 +4,18 @@ from __future__ import annotations
 
 import mmap
 import os
+import re
 import sys
 import tempfile
 import time
 from collections.abc import Mapping
 
 import numpy as np
+
+try:
+    import fcntl
+except ImportError:  # pragma: no cover - not POSIX: no stale-temp detection
+    fcntl = None
 
 from .rules import CheckpointError
 
@@ -118,12 +124,22 @@ def _new_file_mode(path) -> int:
 
 
 class AtomicFile:
-    """A temp file beside ``path`` that replaces ``path`` only on commit()."""
+    """A temp file beside ``path`` that replaces ``path`` only on commit().
+
+    The temp file (``.NAME.XXXXXXXX.tmp``) is flock()ed while it is written, so a
+    later AtomicFile for the same path can tell a live writer's temp file from one a
+    killed process left behind, and removes the latter (clean_stale_temps)."""
 
     def __init__(self, path):
         self.path = os.fspath(path)
         d = os.path.dirname(os.path.abspath(self.path))
-        fd, self.tmp_path = tempfile.mkstemp(prefix="." + os.path.basename(self.path) + ".", suffix=".tmp", dir=d)
+        clean_stale_temps(self.path)
+        while True:
+            fd, self.tmp_path = tempfile.mkstemp(prefix=_temp_prefix(self.path), suffix=".tmp", dir=d)
+            _lock(fd)
+            if os.fstat(fd).st_nlink:   # not removed as stale between mkstemp and the lock
+                break
+            os.close(fd)
         self.f = os.fdopen(fd, "w+b")
         os.chmod(self.tmp_path, _new_file_mode(self.path))  # mkstemp makes 0600
         self.done = False
@@ -131,18 +147,21 @@ class AtomicFile:
     def commit(self):
         self.f.flush()
         os.fsync(self.f.fileno())
+        os.replace(self.tmp_path, self.path)    # still locked: no cleaner can take it first
         self.f.close()
-        os.replace(self.tmp_path, self.path)
         self.done = True
 
     def abort(self):
+        if not self.done:
+            try:
+                os.unlink(self.tmp_path)
+            except FileNotFoundError:
+                pass
         if not self.f.closed:
             try:
                 self.f.close()
-            except OSError:  # the buffered tail cannot be written either (disk full): still remove
+            except OSError:  # the buffered tail cannot be written either (disk full): removed anyway
                 pass
-        if not self.done and os.path.exists(self.tmp_path):
-            os.unlink(self.tmp_path)
         self.done = True
 
     def __enter__(self):
@@ -154,3 +173,76 @@ class AtomicFile:
         else:
             self.abort()
         return False
+
+
+def _temp_prefix(path) -> str:
+    return "." + os.path.basename(path) + "."
+
+
+def _lock(fd, block: bool = True) -> bool:
+    if fcntl is None:
+        return True
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | (0 if block else fcntl.LOCK_NB))
+        return True
+    except OSError:
+        return False
+
+
+def clean_stale_temps(path) -> list:
+    """Remove the temp files of earlier writes to ``path`` whose writer is gone (no
+    process holds their lock): what a conversion killed with SIGKILL leaves."""
+    d = os.path.dirname(os.path.abspath(path)) or "."
+    pattern = re.compile(re.escape(_temp_prefix(path)) + r"[A-Za-z0-9_]{8}\.tmp")
+    try:
+        names = [n for n in os.listdir(d) if pattern.fullmatch(n)]
+    except OSError:
+        return []
+    removed = []
+    for n in names:
+        p = os.path.join(d, n)
+        try:
+            fd = os.open(p, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+        except OSError:
+            continue
+        try:
+            if _lock(fd, block=False) and fcntl is not None:
+                os.unlink(p)
+                removed.append(p)
+        except OSError:
+            pass
+        finally:
+            os.close(fd)
+    return removed
+
+
+def _under(child: str, parent: str) -> bool:
+    return child != parent and os.path.commonpath([child, parent]) == parent
+
+
+def _same(a: str, b: str) -> bool:
+    try:
+        return os.path.realpath(a) == os.path.realpath(b) or (os.path.exists(a) and os.path.exists(b)
+                                                              and os.path.samefile(a, b))
+    except OSError:
+        return False
+
+
+def check_destination(dst, sources, outputs):
+    """Refuse a destination that is, contains, or lies inside a source (real paths, so
+    symlinks count; same inode, so hard links count), or an output that would replace
+    a source file.  ``sources``: the source argument and every file it is read from;
+    ``outputs``: the files the conversion writes."""
+    dst = os.fspath(dst)
+    rd = os.path.realpath(dst)
+    for s in map(os.fspath, sources):
+        rs = os.path.realpath(s)
+        if _same(dst, s):
+            raise CheckpointError(dst, f"destination is the source {s}")
+        if os.path.isdir(s) and _under(rd, rs):
+            raise CheckpointError(dst, f"destination lies inside the source folder {s}")
+        if _under(rs, rd):
+            raise CheckpointError(dst, f"destination contains the source {s}")
+        for o in map(os.fspath, outputs):
+            if _same(o, s):
+                raise CheckpointError(dst, f"writing {o} would replace the source file {s}")

@@ -7,15 +7,18 @@ widened to float32 copies), the golden footer if any, and where it came from.
 from __future__ import annotations
 
 import os
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
+
+import numpy as np
 
 from ..config import ModelConfig
 from ..layout import tensor_specs
 from .files import PageDroppingWeights
 from .footer import Golden
-from .rules import CheckpointError
-from .spelw import MAGIC, read_spelw
+from .rules import CheckpointError, NonFiniteWeightsWarning, check_memory
+from .spelw import MAGIC, read_header, read_spelw
 
 DEFAULT_DIR = Path(__file__).resolve().parent.parent / "assets" / "default"
 DEFAULT_MODEL_FILE = "model.safetensors"
@@ -84,7 +87,11 @@ def is_spelw(path) -> bool:
 
 
 def load_checkpoint(path=None) -> Checkpoint:
-    """Load a SPELW001 file or a safetensors model folder / file (see module doc)."""
+    """Load a SPELW001 file or a safetensors model folder / file (see module doc).
+
+    Refuses (CheckpointTooLarge) a checkpoint whose implied memory exceeds what this
+    process can allocate, before allocating; warns (NonFiniteWeightsWarning) when
+    weights hold NaN or infinity, naming the tensors."""
     path = resolve_checkpoint_path(path)
     if not os.path.exists(path):
         raise CheckpointError(path, "no such file or folder")
@@ -92,11 +99,36 @@ def load_checkpoint(path=None) -> Checkpoint:
         from ..converters import SafetensorsModel
 
         st = SafetensorsModel(path)
+        check_memory(st.cfg, path)
         weights = {s.name: st.f32(s.name) for s in tensor_specs(st.cfg)}
         dts = st.stored_dtypes
-        return Checkpoint(st.cfg, weights, st.golden(), path, "safetensors",
-                          dts.pop() if len(dts) == 1 else "mixed", sum(f.size for f in st.files),
-                          lambda: [st.release(n) for n in weights], st.release)
-    sp = read_spelw(path)
-    return Checkpoint(sp.cfg, sp.tensors, sp.golden, path, "spelw", "F32", sp.file_size,
-                      lambda: sp.release(0, sp.file_size), sp.release_tensor)
+        ck = Checkpoint(st.cfg, weights, st.golden(), path, "safetensors",
+                        dts.pop() if len(dts) == 1 else "mixed", sum(f.size for f in st.files),
+                        lambda: [st.release(n) for n in weights], st.release)
+    else:
+        check_memory(read_header(path).cfg, path)
+        sp = read_spelw(path)
+        ck = Checkpoint(sp.cfg, sp.tensors, sp.golden, path, "spelw", "F32", sp.file_size,
+                        lambda: sp.release(0, sp.file_size), sp.release_tensor)
+    warn_nonfinite(ck)
+    return ck
+
+
+def nonfinite_tensors(ck: Checkpoint) -> list:
+    """Names of the weights holding NaN or +-inf (min/max propagate both; each
+    tensor's mapped pages are dropped once looked at)."""
+    bad = []
+    for name, a in ck.weights.items():
+        if not (np.isfinite(a.min()) and np.isfinite(a.max())):
+            bad.append(name)
+        if ck._release_one is not None:
+            ck._release_one(name)
+    return bad
+
+
+def warn_nonfinite(ck: Checkpoint):
+    bad = nonfinite_tensors(ck)
+    if bad:
+        more = f" and {len(bad) - 3} more" if len(bad) > 3 else ""
+        warnings.warn(f"{ck.source}: non-finite weights (NaN or inf) in {', '.join(bad[:3])}{more}: "
+                      f"the model's outputs will not be meaningful", NonFiniteWeightsWarning, stacklevel=3)

@@ -44,6 +44,10 @@ class CheckpointTooLarge(CheckpointError):
     """Loading the checkpoint would need more memory than this machine (or process) has."""
 
 
+class NonFiniteWeightsWarning(UserWarning):
+    """A checkpoint's weights hold NaN or infinity (loaded, but its outputs are garbage)."""
+
+
 def config_from_fields(d, path, field: str, offset: int | None = None, offsets: dict | None = None) -> ModelConfig:
     """ModelConfig from the stored fields (a parsed config.json / metadata object, or
     a SPELW001 header's values): exact types, then ``ModelConfig.validate``.  An error
