@@ -1,6 +1,8 @@
 """Decoding state of one stack (target or draft), kept apart from the model.
 
-* attention layer: K and V caches ``[max_seq, H, hd]`` (rotated k, v);
+* attention layer: K and V caches ``[rows, H, hd]`` (rotated k, v) that grow with the
+  positions used, never past max_seq (``kv_rows``: the next power of two from 64, so a
+  pass's attention window always fits and growth copies O(1) per token amortized);
 * GDN layer: a ring of R slots (R = K+1 by default), each slot holding the
   recurrent state S ``[H, hd, hd]`` and the conv tail ``[2, d]``.
 
@@ -23,8 +25,21 @@ from .config import ModelConfig
 import mlx.core as mx  # noqa: E402  (spel_mlx is imported first: BLAS loaded)
 
 
+KV_MIN_ROWS = 64
+
+
 class StateError(ValueError):
     """Misuse of a DecodeState (commit out of range, past max_seq, ...)."""
+
+
+def kv_rows(n: int, max_seq: int) -> int:
+    """KV cache rows for n positions: the next power of two from KV_MIN_ROWS, capped at
+    max_seq.  Never less than the window a pass over n positions reads (model._window:
+    powers of two to 1024, then multiples of 512)."""
+    rows = KV_MIN_ROWS
+    while rows < n:
+        rows *= 2
+    return min(rows, max_seq)
 
 
 @dataclass
@@ -69,8 +84,9 @@ class DecodeState:
         # every slot holds arrays from the start: commit never has to create one
         self.ring_S = {i: [mx.zeros((H, hd, hd)) for _ in range(ring)] for i in self.gdn_layers}
         self.ring_tail = {i: [mx.zeros((2, d)) for _ in range(ring)] for i in self.gdn_layers}
-        self.k_cache = {i: mx.zeros((self.max_seq, H, hd)) for i in self.attn_layers}
-        self.v_cache = {i: mx.zeros((self.max_seq, H, hd)) for i in self.attn_layers}
+        self.kv_capacity = kv_rows(1, self.max_seq)
+        self.k_cache = {i: mx.zeros((self.kv_capacity, H, hd)) for i in self.attn_layers}
+        self.v_cache = {i: mx.zeros((self.kv_capacity, H, hd)) for i in self.attn_layers}
         mx.eval(list(self.k_cache.values()), list(self.v_cache.values()),
                 [s for v in self.ring_S.values() for s in v], [t for v in self.ring_tail.values() for t in v])
         self.read = 0       # ring slot of the committed GDN state
@@ -86,6 +102,18 @@ class DecodeState:
                              f"{self.ring} slots: commit first (or use a larger ring)")
         if self.pos + self.pending + M > self.max_seq:
             raise StateError(f"position {self.pos + self.pending + M - 1} is past max_seq={self.max_seq}")
+        self.reserve(self.pos + self.pending + M)
+
+    def reserve(self, n: int) -> None:
+        """Grow the KV caches to hold n positions (rows past the old capacity are zero)."""
+        rows = kv_rows(n, self.max_seq)
+        if rows <= self.kv_capacity:
+            return
+        for cache in (self.k_cache, self.v_cache):
+            for i, a in cache.items():
+                cache[i] = mx.concatenate([a, mx.zeros((rows - a.shape[0], *a.shape[1:]), a.dtype)])
+        mx.eval(list(self.k_cache.values()), list(self.v_cache.values()))
+        self.kv_capacity = rows
 
     def slot_gdn(self, layer: int, slot: int):
         """(S, tail) held by a ring slot (made an array when first read)."""
@@ -161,6 +189,7 @@ class DecodeState:
             self.ring_S[i][self.read] = S
             self.ring_tail[i][self.read] = tail
         if snap.pos:
+            self.reserve(snap.pos)
             for i, (K, V) in snap.kv.items():
                 self.k_cache[i][:snap.pos] = K
                 self.v_cache[i][:snap.pos] = V
