@@ -10,6 +10,7 @@
 #include <pthread.h>
 #include <sched.h>
 #include <stdarg.h>
+#include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -27,6 +28,8 @@
 #define SPEL_FLOAT_FN
 #endif
 #define ROWS_CHUNK 256
+#define KV_MIN_ROWS 64   /* first KV allocation; then doubling, at most max_seq */
+#define MAX_WIDTH (1 << 17)   /* d_model, H*hd: q8 dots (127*127*cols) stay exact in int32 */
 
 /* ---------------------------------------------------------------- helpers */
 static void *alloc64_raw(size_t n) {
@@ -166,7 +169,8 @@ typedef struct {
     spel_qmat wqkv, wo, w1, w3, w2;
     float *ring_S;     /* [R][H][hd][hd]: S transposed (rows index k, columns index v) */
     float *ring_tail;  /* [R][2][d]: the conv's last two normed inputs */
-    float *kcache, *vcache;   /* k: [H][hd][max_seq] (rotated, transposed); v: [max_seq][H*hd] */
+    float *kcache, *vcache;   /* k: [H][hd][kv_rows] (rotated, transposed); v: [kv_rows][H*hd] */
+    int64_t kv_rows;          /* positions the caches hold; grows with use (reserve_kv) */
 } dlayer;
 
 struct spel_draft {
@@ -180,9 +184,12 @@ struct spel_draft {
     double *inv_freq;  /* theta^(-2i/hd), i < hd/2 */
     float *rope_cs;    /* cos and sin of the current position's angles */
     float *x, *xn, *h, *u, *qkv, *o, *mix, *g1, *g3, *scores;
+    int64_t scores_len;
     spel_act act;
     spel_sampler *sampler;   /* proposals sampled instead of argmax when on (sampling.c) */
     char err[256];
+    /* one caller at a time: every entry point claims this flag or returns SPEL_BUSY */
+    atomic_int in_use;
     /* the asynchronous proposal (spel_draft_propose_at_async): one native worker,
      * started on first use; while a request is out (busy) no other call may run */
     struct {
@@ -205,18 +212,39 @@ static int fail(spel_draft *d, const char *fmt, ...) {
 
 const char *spel_draft_error(const spel_draft *d) { return d ? d->err : "no draft"; }
 
-/* a call while an asynchronous proposal runs would race with it */
+/* One caller at a time.  Every entry point claims in_use or returns SPEL_BUSY at once,
+ * so two threads on one draft get a clear error instead of sharing its scratch buffers,
+ * state and pool.  (The error text is left alone: the other call may be writing it.) */
+static int enter(spel_draft *d) {
+    int idle = 0;
+    return atomic_compare_exchange_strong_explicit(&d->in_use, &idle, 1, memory_order_acquire,
+                                                   memory_order_relaxed);
+}
+
+static void leave(spel_draft *d) { atomic_store_explicit(&d->in_use, 0, memory_order_release); }
+
+#define GUARDED(d, call)                   \
+    do {                                   \
+        if (!enter(d)) return SPEL_BUSY;   \
+        int rc_ = (call);                  \
+        leave(d);                          \
+        return rc_;                        \
+    } while (0)
+
+/* a call while an asynchronous proposal runs would race with it (its worker may be
+ * writing the error text, so this one returns a code, not a message) */
 #define REFUSE_IF_BUSY(d) \
-    if ((d)->ahead.busy) return fail((d), "an asynchronous proposal is running: wait for it first")
+    if ((d)->ahead.busy) return SPEL_ASYNC_PENDING
 
 spel_draft *spel_draft_new(const spel_draft_config *cfg, const int *kinds) {
     spel_draft *d = calloc(1, sizeof *d);
     if (!d) return NULL;
     d->cfg = *cfg;
-    int dm = cfg->d_model, inner = cfg->n_heads * cfg->head_dim, ff = cfg->d_ff;
+    atomic_init(&d->in_use, 0);
+    int64_t dm = cfg->d_model, inner = (int64_t)cfg->n_heads * cfg->head_dim, ff = cfg->d_ff;
     if (dm < 1 || cfg->n_heads < 1 || cfg->head_dim < 2 || (cfg->head_dim & 1) || ff < 1 || cfg->vocab < 1 ||
         cfg->max_seq < 1 || cfg->n_layers < 1 || cfg->ring < 2 || cfg->threads < 1 ||
-        cfg->threads > SPEL_MAX_THREADS) {
+        cfg->threads > SPEL_MAX_THREADS || dm > MAX_WIDTH || (int64_t)cfg->n_heads * cfg->head_dim > MAX_WIDTH) {
         snprintf(d->err, sizeof d->err, "invalid draft configuration");
         return d;   /* caller reads the error, then frees */
     }
@@ -240,7 +268,8 @@ spel_draft *spel_draft_new(const spel_draft_config *cfg, const int *kinds) {
     d->mix = alloc64(4 * (size_t)dm);
     d->g1 = alloc64(4 * (size_t)ff);
     d->g3 = alloc64(4 * (size_t)ff);
-    d->scores = alloc64(4 * (size_t)(cfg->max_seq > cfg->head_dim ? cfg->max_seq : cfg->head_dim));
+    d->scores_len = KV_MIN_ROWS > cfg->head_dim ? KV_MIN_ROWS : cfg->head_dim;   /* grows with the KV caches */
+    d->scores = alloc64(4 * (size_t)d->scores_len);
     d->inv_freq = alloc64(sizeof(double) * (size_t)(cfg->head_dim / 2 + 1));
     d->rope_cs = alloc64(4 * (size_t)cfg->head_dim);
     if (d->inv_freq)
@@ -260,12 +289,7 @@ spel_draft *spel_draft_new(const spel_draft_config *cfg, const int *kinds) {
             L->ring_S = alloc64(4 * (size_t)d->R * cfg->n_heads * cfg->head_dim * cfg->head_dim);
             L->ring_tail = alloc64(4 * (size_t)d->R * 2 * dm);
             if (!L->ring_S || !L->ring_tail) { snprintf(d->err, sizeof d->err, "out of memory (GDN ring)"); return d; }
-        } else {
-            /* not zeroed: only positions <= pos are ever read, and those were written */
-            L->kcache = alloc64_raw(4 * (size_t)cfg->max_seq * inner);
-            L->vcache = alloc64_raw(4 * (size_t)cfg->max_seq * inner);
-            if (!L->kcache || !L->vcache) { snprintf(d->err, sizeof d->err, "out of memory (KV cache)"); return d; }
-        }
+        }   /* attention: the KV caches are allocated by reserve_kv as positions are used */
     }
     return d;
 }
@@ -276,8 +300,25 @@ static float *copy_f32(const float *src, size_t n) {
     return p;
 }
 
-int spel_draft_set_shared(spel_draft *d, const float *emb, const float *fnorm, const float *head) {
+/* Non-finite weights would make quantization scales, and so every logit, NaN: refused,
+ * naming the tensor (layer < 0: a shared tensor). */
+static int check_finite(spel_draft *d, const float *a, size_t n, int layer, const char *name) {
+    for (size_t i = 0; i < n; i++)
+        if (!isfinite(a[i])) {
+            if (layer < 0)
+                return fail(d, "tensor %s holds a non-finite value (%g) at element %zu", name, (double)a[i], i);
+            return fail(d, "tensor draft.layers.%d.%s holds a non-finite value (%g) at element %zu", layer, name,
+                        (double)a[i], i);
+        }
+    return 0;
+}
+
+static int set_shared(spel_draft *d, const float *emb, const float *fnorm, const float *head) {
     const spel_draft_config *c = &d->cfg;
+    size_t vd = (size_t)c->vocab * c->d_model;
+    if (check_finite(d, emb, vd, -1, "tok_emb.weight") || check_finite(d, fnorm, c->d_model, -1, "final_norm.weight") ||
+        check_finite(d, head, vd, -1, "lm_head.weight"))
+        return -1;
     d->emb = copy_f32(emb, (size_t)c->vocab * c->d_model);
     d->fnorm = copy_f32(fnorm, (size_t)c->d_model);
     d->head = copy_f32(head, (size_t)c->vocab * c->d_model);
@@ -288,18 +329,31 @@ int spel_draft_set_shared(spel_draft *d, const float *emb, const float *fnorm, c
     return 0;
 }
 
-int spel_draft_set_layer(spel_draft *d, int l, const float *attn_norm, const float *conv, const float *wqkv,
-                         const float *wo, const float *decay_logit, const float *beta_logit,
-                         const float *ffn_norm, const float *w1, const float *w3, const float *w2) {
+int spel_draft_set_shared(spel_draft *d, const float *emb, const float *fnorm, const float *head) {
+    GUARDED(d, set_shared(d, emb, fnorm, head));
+}
+
+static int set_layer(spel_draft *d, int l, const float *attn_norm, const float *conv, const float *wqkv,
+                     const float *wo, const float *decay_logit, const float *beta_logit, const float *ffn_norm,
+                     const float *w1, const float *w3, const float *w2) {
     const spel_draft_config *c = &d->cfg;
     if (l < 0 || l >= c->n_layers) return fail(d, "layer %d out of range", l);
     dlayer *L = &d->L[l];
     int dm = c->d_model, H = c->n_heads, inner = H * c->head_dim, ff = c->d_ff;
+    int gdn = L->kind == SPEL_LAYER_GDN;
+    if (gdn && (!conv || !decay_logit || !beta_logit)) return fail(d, "GDN layer %d needs conv, decay and beta", l);
+    const struct { const float *a; size_t n; const char *name; } ts[] = {
+        {attn_norm, (size_t)dm, "attn_norm.weight"}, {gdn ? conv : NULL, 3 * (size_t)dm, "mixer.conv"},
+        {wqkv, 3 * (size_t)inner * dm, "mixer.wqkv.weight"}, {wo, (size_t)dm * inner, "mixer.wo.weight"},
+        {gdn ? decay_logit : NULL, (size_t)H, "mixer.decay_logit"}, {gdn ? beta_logit : NULL, (size_t)H, "mixer.beta_logit"},
+        {ffn_norm, (size_t)dm, "ffn_norm.weight"}, {w1, (size_t)ff * dm, "mlp.w1.weight"},
+        {w3, (size_t)ff * dm, "mlp.w3.weight"}, {w2, (size_t)dm * ff, "mlp.w2.weight"}};
+    for (size_t t = 0; t < sizeof ts / sizeof ts[0]; t++)
+        if (ts[t].a && check_finite(d, ts[t].a, ts[t].n, l, ts[t].name)) return -1;
     L->attn_norm = copy_f32(attn_norm, dm);
     L->ffn_norm = copy_f32(ffn_norm, dm);
     if (!L->attn_norm || !L->ffn_norm) return fail(d, "out of memory (norms)");
-    if (L->kind == SPEL_LAYER_GDN) {
-        if (!conv || !decay_logit || !beta_logit) return fail(d, "GDN layer %d needs conv, decay and beta", l);
+    if (gdn) {
         L->conv = copy_f32(conv, 3 * (size_t)dm);
         L->decay = alloc64(4 * (size_t)H);
         L->beta = alloc64(4 * (size_t)H);
@@ -317,19 +371,29 @@ int spel_draft_set_layer(spel_draft *d, int l, const float *attn_norm, const flo
     return 0;
 }
 
-int spel_draft_ready(spel_draft *d) {
+int spel_draft_set_layer(spel_draft *d, int l, const float *attn_norm, const float *conv, const float *wqkv,
+                         const float *wo, const float *decay_logit, const float *beta_logit,
+                         const float *ffn_norm, const float *w1, const float *w3, const float *w2) {
+    GUARDED(d, set_layer(d, l, attn_norm, conv, wqkv, wo, decay_logit, beta_logit, ffn_norm, w1, w3, w2));
+}
+
+static int reset(spel_draft *d);
+
+static int ready(spel_draft *d) {
     if (d->err[0]) return -1;
     if (!d->shared_set) return fail(d, "shared tensors (tok_emb, final_norm, lm_head) not set");
     for (int l = 0; l < d->cfg.n_layers; l++)
         if (!d->L[l].set) return fail(d, "draft layer %d not set", l);
-    spel_draft_reset(d);
-    return 0;
+    return reset(d);
 }
+
+int spel_draft_ready(spel_draft *d) { GUARDED(d, ready(d)); }
 
 static void ahead_stop(spel_draft *d);
 
 void spel_draft_free(spel_draft *d) {
     if (!d) return;
+    while (!enter(d)) sched_yield();   /* a call running on another thread finishes first */
     ahead_stop(d);
     spel_pool_destroy(d->pool);
     if (d->L) {
@@ -350,11 +414,13 @@ void spel_draft_free(spel_draft *d) {
     free(d);
 }
 
-void spel_draft_reset(spel_draft *d) {
+static int wait_ahead(spel_draft *d, int32_t *out_tokens);
+
+static int reset(spel_draft *d) {
     const spel_draft_config *c = &d->cfg;
-    if (d->ahead.busy) spel_draft_wait(d, NULL);   /* no error channel here: finish it first */
+    if (d->ahead.busy) wait_ahead(d, NULL);   /* finish a running proposal first */
     d->read = 0;
-    d->pos = 0;
+    __atomic_store_n(&d->pos, 0, __ATOMIC_RELAXED);
     d->last_m = 0;
     size_t s_slot = (size_t)c->n_heads * c->head_dim * c->head_dim;
     for (int l = 0; l < c->n_layers; l++) {
@@ -364,9 +430,13 @@ void spel_draft_reset(spel_draft *d) {
             memset(L->ring_tail, 0, 4 * 2 * (size_t)c->d_model);
         }
     }
+    return 0;
 }
 
-int64_t spel_draft_pos(const spel_draft *d) { return d->pos; }
+int spel_draft_reset(spel_draft *d) { GUARDED(d, reset(d)); }
+
+/* may be read while another thread's call commits (relaxed: a value, not a handshake) */
+int64_t spel_draft_pos(const spel_draft *d) { return __atomic_load_n(&d->pos, __ATOMIC_RELAXED); }
 int spel_draft_kernel(const spel_draft *d) { return d->kernel; }
 int spel_draft_threads(const spel_draft *d) { return spel_pool_threads(d->pool); }
 
@@ -447,12 +517,48 @@ SPEL_FLOAT_FN static void gdn_mixer(spel_draft *d, dlayer *L, int j) {
     }
 }
 
+/* Grow layer L's caches to hold position p: rows double from KV_MIN_ROWS (at most
+ * max_seq), so memory follows the positions used and the copies cost O(1) per token
+ * amortized.  The score scratch grows with them. */
+static int reserve_kv(spel_draft *d, dlayer *L, int64_t p) {
+    const spel_draft_config *c = &d->cfg;
+    if (p < L->kv_rows) return 0;
+    int64_t rows = L->kv_rows ? L->kv_rows : KV_MIN_ROWS;
+    while (rows <= p) rows *= 2;
+    if (rows > c->max_seq) rows = c->max_seq;
+    if (d->scores_len < rows) {
+        float *sc = alloc64_raw(4 * (size_t)rows);
+        if (!sc) return fail(d, "out of memory growing the attention scratch to %lld positions", (long long)rows);
+        free(d->scores);
+        d->scores = sc;
+        d->scores_len = rows;
+    }
+    size_t inner = (size_t)c->n_heads * c->head_dim, keep = (size_t)(p < L->kv_rows ? p : L->kv_rows);
+    float *k = alloc64_raw(4 * (size_t)rows * inner), *v = alloc64_raw(4 * (size_t)rows * inner);
+    if (!k || !v) {
+        free(k);
+        free(v);
+        return fail(d, "out of memory growing the KV cache to %lld positions", (long long)rows);
+    }
+    if (keep) {   /* positions < p are the ones ever read again */
+        for (size_t r = 0; r < inner; r++) memcpy(k + r * rows, L->kcache + r * L->kv_rows, 4 * keep);
+        memcpy(v, L->vcache, 4 * keep * inner);
+    }
+    free(L->kcache);
+    free(L->vcache);
+    L->kcache = k;
+    L->vcache = v;
+    L->kv_rows = rows;
+    return 0;
+}
+
 /* Attention.  The K cache is stored per head transposed, kcache[h][i][t], so the scores
  * of all cached positions are axpys over t; the V cache is [t][H*hd]. */
-SPEL_FLOAT_FN static void attn_mixer(spel_draft *d, dlayer *L, int64_t p) {
+SPEL_FLOAT_FN static int attn_mixer(spel_draft *d, dlayer *L, int64_t p) {
     const spel_draft_config *c = &d->cfg;
     int dm = c->d_model, H = c->n_heads, hd = c->head_dim, inner = H * hd;
-    const int64_t T = c->max_seq;
+    if (reserve_kv(d, L, p)) return -1;
+    const int64_t T = L->kv_rows;
     qlinear(d, d->xn, dm, &L->wqkv, d->qkv, NULL, NULL);
     float *cs = d->rope_cs, *sn = d->rope_cs + hd / 2;
     for (int i = 0; i < hd / 2; i++) {   /* angle pos * theta^(-2i/hd), in double */
@@ -502,6 +608,7 @@ SPEL_FLOAT_FN static void attn_mixer(spel_draft *d, dlayer *L, int64_t p) {
         float inv = 1.0f / sum;
         for (int i = 0; i < hd; i++) o[i] *= inv;
     }
+    return 0;
 }
 
 /* Token at offset j of the uncommitted batch: GDN reads ring slot read+j, writes
@@ -517,7 +624,7 @@ static int run_token(spel_draft *d, int32_t tok, int j, float *logits) {
         dlayer *L = &d->L[l];
         rmsnorm(d->x, L->attn_norm, dm, c->norm_eps, d->xn);
         if (L->kind == SPEL_LAYER_GDN) gdn_mixer(d, L, j);
-        else attn_mixer(d, L, p);
+        else if (attn_mixer(d, L, p)) return -1;
         qlinear(d, d->o, inner, &L->wo, d->mix, NULL, NULL);
         for (int i = 0; i < dm; i++) d->h[i] = d->x[i] + d->mix[i];
         rmsnorm(d->h, L->ffn_norm, dm, c->norm_eps, d->xn);
@@ -533,7 +640,7 @@ static int run_token(spel_draft *d, int32_t tok, int j, float *logits) {
     return 0;
 }
 
-int spel_draft_forward_from(spel_draft *d, const int32_t *tokens, int m, int start, float *logits) {
+static int forward_from(spel_draft *d, const int32_t *tokens, int m, int start, float *logits) {
     REFUSE_IF_BUSY(d);
     if (m < 1) return fail(d, "forward needs at least one token");
     if (start < 0 || start > d->last_m) return fail(d, "start %d beyond the %d uncommitted tokens", start, d->last_m);
@@ -551,23 +658,34 @@ int spel_draft_forward_from(spel_draft *d, const int32_t *tokens, int m, int sta
     return 0;
 }
 
+int spel_draft_forward_from(spel_draft *d, const int32_t *tokens, int m, int start, float *logits) {
+    GUARDED(d, forward_from(d, tokens, m, start, logits));
+}
+
 int spel_draft_forward(spel_draft *d, const int32_t *tokens, int m, float *logits) {
     return spel_draft_forward_from(d, tokens, m, 0, logits);
 }
 
-int spel_draft_commit(spel_draft *d, int n) {
+/* commit n tokens of the last batch; keep: the rest stays uncommitted (at offsets 0..) */
+static int commit(spel_draft *d, int n, int keep) {
     REFUSE_IF_BUSY(d);
     if (n < 1 || n > d->last_m) return fail(d, "commit(%d): the last batch has %d uncommitted tokens", n, d->last_m);
     d->read = (d->read + n) % d->R;
-    d->pos += n;
-    d->last_m = 0;
+    __atomic_store_n(&d->pos, d->pos + n, __ATOMIC_RELAXED);
+    d->last_m = keep ? d->last_m - n : 0;
     return 0;
 }
 
-int spel_draft_step(spel_draft *d, int32_t token, float *logits) {
-    if (spel_draft_forward(d, &token, 1, logits)) return -1;
-    return spel_draft_commit(d, 1);
+int spel_draft_commit(spel_draft *d, int n) { GUARDED(d, commit(d, n, 0)); }
+
+int spel_draft_commit_keep(spel_draft *d, int n) { GUARDED(d, commit(d, n, 1)); }
+
+static int step(spel_draft *d, int32_t token, float *logits) {
+    int rc = forward_from(d, &token, 1, 0, logits);
+    return rc ? rc : commit(d, 1, 0);
 }
+
+int spel_draft_step(spel_draft *d, int32_t token, float *logits) { GUARDED(d, step(d, token, logits)); }
 
 /* the request checks of a proposal at offset start (also made before an async one is accepted) */
 static int check_propose(spel_draft *d, int k, int start) {
@@ -611,9 +729,13 @@ static int propose_at(spel_draft *d, int32_t pending, int k, int start, int gues
     return rc;
 }
 
-int spel_draft_propose_at(spel_draft *d, int32_t pending, int k, int start, int guess, int32_t *out) {
+static int propose_at_sync(spel_draft *d, int32_t pending, int k, int start, int guess, int32_t *out) {
     REFUSE_IF_BUSY(d);
     return propose_at(d, pending, k, start, guess, out);
+}
+
+int spel_draft_propose_at(spel_draft *d, int32_t pending, int k, int start, int guess, int32_t *out) {
+    GUARDED(d, propose_at_sync(d, pending, k, start, guess, out));
 }
 
 int spel_draft_propose(spel_draft *d, int32_t pending, int k, int32_t *out) {
@@ -668,7 +790,7 @@ static void ahead_stop(spel_draft *d) {
     d->ahead.started = 0;
 }
 
-int spel_draft_propose_at_async(spel_draft *d, int32_t pending, int k, int start, int guess) {
+static int propose_at_async(spel_draft *d, int32_t pending, int k, int start, int guess) {
     REFUSE_IF_BUSY(d);
     /* checked now, so an accepted request can only fail inside run_token */
     if (check_propose(d, k, start)) return -1;
@@ -700,7 +822,11 @@ int spel_draft_propose_at_async(spel_draft *d, int32_t pending, int k, int start
     return 0;
 }
 
-int spel_draft_wait(spel_draft *d, int32_t *out_tokens) {
+int spel_draft_propose_at_async(spel_draft *d, int32_t pending, int k, int start, int guess) {
+    GUARDED(d, propose_at_async(d, pending, k, start, guess));
+}
+
+static int wait_ahead(spel_draft *d, int32_t *out_tokens) {
     if (!d->ahead.busy) return fail(d, "wait: no asynchronous proposal was started");
     pthread_mutex_lock(&d->ahead.mu);
     if (!d->ahead.ready) ahead_priority(d->ahead.th, 0);   /* now on the critical path */
@@ -714,17 +840,10 @@ int spel_draft_wait(spel_draft *d, int32_t *out_tokens) {
     return rc;
 }
 
-int spel_draft_commit_keep(spel_draft *d, int n) {
-    REFUSE_IF_BUSY(d);
-    if (n < 1 || n > d->last_m) return fail(d, "commit(%d): the last batch has %d uncommitted tokens", n, d->last_m);
-    d->read = (d->read + n) % d->R;
-    d->pos += n;
-    d->last_m -= n;   /* the rest of the batch stays uncommitted, now at offsets 0.. */
-    return 0;
-}
+int spel_draft_wait(spel_draft *d, int32_t *out_tokens) { GUARDED(d, wait_ahead(d, out_tokens)); }
 
 /* --- sampled proposals (the sampler lives in sampling.c) ----------------------- */
-int spel_draft_set_sampling(spel_draft *d, const spel_sampling *s, int want_q) {
+static int set_sampling(spel_draft *d, const spel_sampling *s, int want_q) {
     REFUSE_IF_BUSY(d);
     if (!s) {
         if (d->sampler) spel_sampler_configure(d->sampler, NULL, 0);
@@ -736,7 +855,11 @@ int spel_draft_set_sampling(spel_draft *d, const spel_sampling *s, int want_q) {
     return rc ? fail(d, "out of memory") : 0;
 }
 
-int spel_draft_set_context(spel_draft *d, const int32_t *ctx, int n, int64_t index) {
+int spel_draft_set_sampling(spel_draft *d, const spel_sampling *s, int want_q) {
+    GUARDED(d, set_sampling(d, s, want_q));
+}
+
+static int set_context(spel_draft *d, const int32_t *ctx, int n, int64_t index) {
     REFUSE_IF_BUSY(d);
     if (!spel_sampler_on(d->sampler)) return fail(d, "set_context: sampling is off");
     if (n < 0 || index < 0) return fail(d, "set_context: bad length %d or index %lld", n, (long long)index);
@@ -744,7 +867,11 @@ int spel_draft_set_context(spel_draft *d, const int32_t *ctx, int n, int64_t ind
     return 0;
 }
 
-int spel_draft_probs(spel_draft *d, int offset, double *out) {
+int spel_draft_set_context(spel_draft *d, const int32_t *ctx, int n, int64_t index) {
+    GUARDED(d, set_context(d, ctx, n, index));
+}
+
+static int probs(spel_draft *d, int offset, double *out) {
     REFUSE_IF_BUSY(d);
     const double *q = spel_sampler_on(d->sampler) ? spel_sampler_q(d->sampler, offset) : NULL;
     if (!q) return fail(d, "no distribution kept at offset %d (sampling with want_q is off)", offset);
@@ -752,11 +879,15 @@ int spel_draft_probs(spel_draft *d, int offset, double *out) {
     return 0;
 }
 
+int spel_draft_probs(spel_draft *d, int offset, double *out) { GUARDED(d, probs(d, offset, out)); }
+
 /* Ask a running asynchronous proposal to stop after its current forward (its result is
  * then not wanted: the round did not accept everything).  spel_draft_wait returns
  * SPEL_CANCELLED for a proposal that stopped early; the batch before its offset stays. */
-int spel_draft_cancel(spel_draft *d) {
+static int cancel(spel_draft *d) {
     if (!d->ahead.busy) return fail(d, "cancel: no asynchronous proposal was started");
     __atomic_store_n(&d->ahead.cancel, 1, __ATOMIC_RELAXED);
     return 0;
 }
+
+int spel_draft_cancel(spel_draft *d) { GUARDED(d, cancel(d)); }

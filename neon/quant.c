@@ -3,6 +3,7 @@
  * Bit-exact twins of spel_mlx/quant.py: round-half-to-even (rintf), one float32
  * division per element, scale sums in double strictly left to right.  Built with
  * -ffp-contract=off so no multiply-add is fused behind our back. */
+#include <float.h>
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
@@ -22,6 +23,16 @@ static inline float rint_even(float v) {
     return (v + c) - c;
 }
 
+/* float -> int8 code, defined for every input: NaN gives 0 and values beyond +-lim
+ * saturate (casting NaN or an out-of-range float to an integer is undefined behaviour). */
+static inline int8_t code_i8(float v, float lim) {
+    if (v != v) return 0;
+    return (int8_t)clampf(v, -lim, lim);
+}
+
+/* Non-finite input is defined too (the draft refuses non-finite weights at load, but
+ * activations may overflow): NaN is ignored by the max and coded 0, and +-inf saturate
+ * like the largest finite float, so they get the codes +-127. */
 void spel_quantize_q8(const float *w, int64_t rows, int64_t cols, int8_t *q, float *s) {
     for (int64_t r = 0; r < rows; r++) {
         const float *wr = w + r * cols;
@@ -30,10 +41,11 @@ void spel_quantize_q8(const float *w, int64_t rows, int64_t cols, int8_t *q, flo
             float v = fabsf(wr[j]);
             if (v > amax) amax = v;
         }
+        if (amax > FLT_MAX) amax = FLT_MAX;
         float sr = amax / 127.0f;
         s[r] = sr;
         for (int64_t j = 0; j < cols; j++)
-            q[r * cols + j] = sr != 0.0f ? (int8_t)clampf(rint_even(wr[j] / sr), -127.0f, 127.0f) : 0;
+            q[r * cols + j] = sr != 0.0f ? code_i8(rint_even(wr[j] / sr), 127.0f) : 0;
     }
 }
 
@@ -55,7 +67,7 @@ void spel_quantize_ternary(const float *w, int64_t rows, int64_t cols, int8_t *t
             double wq = 0.0;
             int64_t qq = 0;
             for (int64_t j = 0; j < cols; j++) {
-                float qj = sr != 0.0f ? clampf(rint_even(wr[j] / sr), -1.0f, 1.0f) : 0.0f;
+                float qj = sr != 0.0f ? (float)code_i8(rint_even(wr[j] / sr), 1.0f) : 0.0f;
                 if (it == 3) { tr[j] = (int8_t)qj; continue; }   /* final q with final s */
                 wq += (double)(wr[j] * qj);
                 qq += qj != 0.0f;

@@ -50,7 +50,13 @@ int spel_matrix_gemv(spel_matrix *m, spel_pool *pool, int kernel, const float *x
 int spel_f32_gemv(spel_pool *pool, const float *w, int64_t rows, int64_t cols,
                   const float *x, float *y);
 
-/* --- the draft engine --- */
+/* --- the draft engine ---
+ * Calls return 0, or -1 with a message in spel_draft_error; SPEL_BUSY when another
+ * thread is inside a call on the same draft (one caller at a time; nothing was done);
+ * SPEL_ASYNC_PENDING when an asynchronous proposal is out (spel_draft_wait first).
+ * Weights holding NaN or infinity are refused by set_shared / set_layer (-1, naming
+ * the tensor).  The KV caches grow with the positions used, up to max_seq. */
+enum { SPEL_BUSY = -2, SPEL_ASYNC_PENDING = -3 };
 typedef struct {
     int d_model, n_heads, head_dim, d_ff, vocab, max_seq, n_layers, ring;
     float rope_theta, norm_eps;
@@ -94,7 +100,7 @@ int spel_draft_cancel(spel_draft *d);
 int spel_draft_commit(spel_draft *d, int n);
 /* commit n and keep the rest of the last batch uncommitted (shifted to offset 0) */
 int spel_draft_commit_keep(spel_draft *d, int n);
-void spel_draft_reset(spel_draft *d);
+int spel_draft_reset(spel_draft *d);
 int64_t spel_draft_pos(const spel_draft *d);
 int spel_draft_kernel(const spel_draft *d);
 int spel_draft_threads(const spel_draft *d);

@@ -18,6 +18,10 @@ from .clib import ffi, lib
 from .clib import require as _lib
 
 KERNELS = ("scalar", "avx2", "dotprod", "addsub", "vnni")   # index = C kernel id
+
+
+class DraftBusyError(RuntimeError):
+    """A CDraft was called from a second thread while a call ran (one thread at a time)."""
 MAX_THREADS = 6
 
 
@@ -275,6 +279,10 @@ class CDraft:
 
     # --- helpers
     def _check(self, rc):
+        if rc == lib.SPEL_BUSY:
+            raise DraftBusyError("C draft: in use by another thread (one thread at a time per CDraft)")
+        if rc == lib.SPEL_ASYNC_PENDING:
+            raise ValueError("C draft: an asynchronous proposal is running: wait for it first")
         if rc != 0:
             raise ValueError("C draft: " + ffi.string(lib.spel_draft_error(self._d)).decode())
 
@@ -400,7 +408,7 @@ class CDraft:
         self._check(lib.spel_draft_commit_keep(self._live(), int(n)))
 
     def reset(self):
-        lib.spel_draft_reset(self._live())
+        self._check(lib.spel_draft_reset(self._live()))
 
     def forward_logits(self, tokens) -> np.ndarray:
         """Logits [n, V] of tokens fed one per position with a commit each (from the current state)."""
