@@ -139,3 +139,41 @@ def test_reset_equals_fresh_state(model):
     la = np.array(model.prefill(toks(6, 8), st, strict=True))
     lb = np.array(model.prefill(toks(6, 8), fresh, strict=True))
     assert la.tobytes() == lb.tobytes()
+
+
+# --- KV caches grow with the positions used (issue 16) ----------------------------------
+
+def test_kv_rows_cover_every_pass_window():
+    """The model slices a pass's attention window out of the cache (model._window):
+    the rows the state grows to are never fewer, up to max_seq itself."""
+    from spel_mlx.model import _window
+    from spel_mlx.state import kv_rows
+    for max_seq in (1, 48, 100, 1000, 4096, 5000, 1 << 24):
+        for n in list(range(1, min(max_seq, 3000) + 1)) + [max_seq - 1, max_seq]:
+            if 1 <= n <= max_seq:
+                assert _window(n, max_seq) <= kv_rows(n, max_seq) <= max_seq, (n, max_seq)
+    assert kv_rows(65, 1 << 24) == 128 and kv_rows(1025, 1 << 24) == 2048   # doubling: O(1) copies/token
+
+
+def test_kv_caches_grow_and_decode_identically(model):
+    """A state that grows its caches gives the same bits as one holding max_seq rows from
+    the start, across growth steps; memory follows the positions used."""
+    cfg = CFG.replace(max_seq=300)
+    m = SpelModel.from_weights(cfg, init_weights(cfg, seed=3))
+    grown, full = m.new_state(), m.new_state()
+    full.reserve(cfg.max_seq)
+    assert grown.kv_capacity == 64 and full.kv_capacity == 300
+    assert all(a.shape[0] == 64 for a in list(grown.k_cache.values()) + list(grown.v_cache.values()))
+    t = np.random.default_rng(9).integers(0, cfg.vocab, 200)
+    for i in range(0, 200, 5):
+        a = np.array(m.forward(t[i:i + 5], grown, strict=True))
+        b = np.array(m.forward(t[i:i + 5], full, strict=True))
+        assert a.tobytes() == b.tobytes(), i
+        grown.commit(5)
+        full.commit(5)
+    assert grown.kv_capacity == 256 and grown.k_cache[grown.attn_layers[0]].shape[0] == 256
+    snap = grown.snapshot()
+    grown.reset()
+    assert grown.kv_capacity == 256              # kept for the next prompt
+    grown.restore(snap)
+    assert np.array(m.forward(t[:3], grown)).tobytes() == np.array(m.forward(t[:3], full)).tobytes()

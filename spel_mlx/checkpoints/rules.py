@@ -148,7 +148,15 @@ def implied_memory(cfg: ModelConfig) -> dict:
             "GDN state rings": 2 * ring}
 
 
-def _meminfo_total() -> int | None:
+def _memory_available() -> int | None:
+    """MemAvailable (Linux): what can be allocated without swapping; else physical memory."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
     try:
         return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     except (ValueError, OSError, AttributeError):
@@ -180,9 +188,9 @@ def _cgroup_left() -> int | None:
 
 
 def machine_memory() -> int | None:
-    """What this process may allocate: the least of physical memory, what its address
-    space limit (RLIMIT_AS) leaves, and what its cgroup leaves; None if unknown."""
-    known = [v for v in (_meminfo_total(), _address_space_left(), _cgroup_left()) if v is not None]
+    """What this process may allocate: the least of the memory available, what its
+    address space limit (RLIMIT_AS) leaves, and what its cgroup leaves; None if unknown."""
+    known = [v for v in (_memory_available(), _address_space_left(), _cgroup_left()) if v is not None]
     return min(known) if known else None
 
 
