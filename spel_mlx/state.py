@@ -34,7 +34,7 @@ class StateError(ValueError):
 
 def kv_rows(n: int, max_seq: int) -> int:
     """KV cache rows for n positions: the next power of two from KV_MIN_ROWS, capped at
-    max_seq.  Never less than the window a pass over n positions reads (model._window:
+    max_seq.  Never less than the window a pass over n positions reads (model.passes.window:
     powers of two to 1024, then multiples of 512)."""
     rows = KV_MIN_ROWS
     while rows < n:

@@ -101,7 +101,7 @@ def test_1_max_seq_claim_allocates_nothing_up_front(tmp_path):
     huge = TINY.replace(max_seq=LIMITS["max_seq"])
     st = DecodeState(huge, "target")
     assert st.kv_capacity == 64 and st.k_cache[st.attn_layers[0]].shape[0] == 64
-    from spel_mlx.draft import CDraft
+    from spel_mlx.native.cdraft import CDraft
     w = {k: np.asarray(v) for k, v in read_spelw(synth(tmp_path / "w.spelw")).tensors.items()}
     before = vm_size()
     d = CDraft(huge, w)
@@ -271,7 +271,7 @@ def test_7_quantizers_are_defined_for_non_finite_values():
     """Finding 7: (int8_t) of NaN or inf was undefined behaviour in the q8 and ternary
     quantizers.  NaN now codes 0, +-inf saturate to +-127 (the sanitizer build,
     tests/test_neon_sanitize.py, checks there is no UB left)."""
-    from spel_mlx.draft import c_quantize_activation, c_quantize_q8, c_quantize_ternary
+    from spel_mlx.native.cdraft import c_quantize_activation, c_quantize_q8, c_quantize_ternary
     row = np.array([[np.nan, 1.0, -2.0, np.inf, -np.inf, 0.5]], np.float32)
     q, s = c_quantize_q8(row)
     assert q[0, 0] == 0 and q[0, 3] == 127 and q[0, 4] == -127 and np.isfinite(s).all()
@@ -286,7 +286,7 @@ def test_7_quantizers_are_defined_for_non_finite_values():
 def test_8_one_cdraft_from_two_threads_is_refused_not_corrupted(model_file):
     """Finding 8: one CDraft used from two Python threads corrupted memory.  A second
     thread entering a call now gets DraftBusyError; the engine stays consistent."""
-    from spel_mlx.draft import CDraft, DraftBusyError
+    from spel_mlx.native.cdraft import CDraft, DraftBusyError
     w = read_spelw(model_file).tensors
     d, fresh = CDraft(TINY, w), CDraft(TINY, w)
     busy, errors = [0, 0], []

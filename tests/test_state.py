@@ -144,9 +144,9 @@ def test_reset_equals_fresh_state(model):
 # --- KV caches grow with the positions used (issue 16) ----------------------------------
 
 def test_kv_rows_cover_every_pass_window():
-    """The model slices a pass's attention window out of the cache (model._window):
+    """The model slices a pass's attention window out of the cache (model.passes.window):
     the rows the state grows to are never fewer, up to max_seq itself."""
-    from spel_mlx.model import _window
+    from spel_mlx.model.passes import window as _window
     from spel_mlx.state import kv_rows
     for max_seq in (1, 48, 100, 1000, 4096, 5000, 1 << 24):
         for n in list(range(1, min(max_seq, 3000) + 1)) + [max_seq - 1, max_seq]:

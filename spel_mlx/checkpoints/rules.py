@@ -137,7 +137,7 @@ def implied_memory(cfg: ModelConfig) -> dict:
     """Bytes that loading a checkpoint for decoding allocates up front, by part.
 
     The KV caches are not in it: they grow with the positions used (spel_mlx.state,
-    neon/draft.c).  The RoPE table (spel_mlx.model.rope_table) is built for max_seq
+    neon/draft.c).  The RoPE table (spel_mlx.model.functional.rope_table) is built for max_seq
     rows, in float64 then float32: about 40 bytes per (position, frequency).
     """
     n_gdn = len(cfg.gdn_layers) + sum(1 for j in cfg.draft_map if not cfg.is_attention(j))
