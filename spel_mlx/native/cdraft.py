@@ -18,11 +18,11 @@ from .clib import ffi, lib
 from .clib import require as _lib
 
 KERNELS = ("scalar", "avx2", "dotprod", "addsub", "vnni")   # index = C kernel id
+MAX_THREADS = 6
 
 
 class DraftBusyError(RuntimeError):
     """A CDraft was called from a second thread while a call ran (one thread at a time)."""
-MAX_THREADS = 6
 
 
 def kernel_id(kernel) -> int:
