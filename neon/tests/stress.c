@@ -1,7 +1,8 @@
 /* Hostile-use harness of the draft engine, built with the engine's sources under
  * AddressSanitizer and UBSan by tests/test_neon_sanitize.py:
  *
- *   stress [seed]   random forward / propose / async / commit / reset sequences (valid
+ *   stress [seed]   random forward / propose / async / cancel / commit / reset / sampling
+ *                   sequences (valid
  *                   and invalid arguments) on odd shapes with every available kernel,
  *                   KV caches grown past several doublings, NaN / inf / huge inputs to
  *                   the quantizers and through the draft step, non-finite weights, and
@@ -88,17 +89,25 @@ static int random_call(spel_draft *d, const shape *s, rng *r, int *async_out) {
     float *logits = malloc(4 * (size_t)8 * s->V);
     int m = 1 + rint_to(r, s->ring), k = 1 + rint_to(r, s->ring - 1), start = rint_to(r, 3), rc;
     for (int i = 0; i < 8; i++) toks[i] = rint_to(r, 50) == 0 ? s->V : rint_to(r, s->V);   /* some out of range */
-    switch (rint_to(r, 9)) {
+    spel_sampling smp = {rint_to(r, 4) ? 0.8 : (rint_to(r, 2) ? 0.0 : NAN), rint_to(r, 2) ? 1.0 : 0.9, 1.1,
+                         rint_to(r, 3), 16, rnd(r)};
+    double *q = malloc(sizeof(double) * (size_t)s->V);
+    switch (rint_to(r, 13)) {
     case 0: rc = spel_draft_forward_from(d, toks, m, start, rint_to(r, 2) ? logits : NULL); break;
     case 1: rc = spel_draft_propose_at(d, toks[0], k, start, rint_to(r, 2), out); break;
     case 2: rc = spel_draft_propose_at_async(d, toks[0], k, 0, rint_to(r, 2)); if (!rc) *async_out = 1; break;
-    case 3: rc = spel_draft_wait(d, out); if (rc != -2) *async_out = 0; break;
+    case 3: rc = spel_draft_wait(d, out); if (rc != SPEL_BUSY) *async_out = 0; break;
     case 4: rc = spel_draft_commit(d, 1 + rint_to(r, s->ring)); break;
     case 5: rc = spel_draft_commit_keep(d, 1 + rint_to(r, s->ring)); break;
     case 6: rc = spel_draft_step(d, toks[0], logits); break;
     case 7: rc = spel_draft_propose(d, toks[0], k, out); break;
+    case 9: rc = spel_draft_cancel(d); break;
+    case 10: rc = spel_draft_set_sampling(d, rint_to(r, 4) ? &smp : NULL, rint_to(r, 2)); break;
+    case 11: rc = spel_draft_set_context(d, toks, rint_to(r, 9), rint_to(r, 100)); break;
+    case 12: rc = spel_draft_probs(d, rint_to(r, s->ring + 1) - 1, q); break;
     default: rc = rint_to(r, 4) == 0 ? spel_draft_reset(d) : spel_draft_step(d, toks[1], logits); break;
     }
+    free(q);
     free(logits);
     return rc;
 }
@@ -107,7 +116,8 @@ static void run_sequence(spel_draft *d, const shape *s, rng *r, int n_calls) {
     int async = 0;
     for (int i = 0; i < n_calls; i++) {
         int rc = random_call(d, s, r, &async);
-        CHECK(rc == 0 || rc == -1 || rc == SPEL_ASYNC_PENDING, "single-threaded call returned %d", rc);
+        CHECK(rc == 0 || rc == -1 || rc == SPEL_ASYNC_PENDING || rc == SPEL_CANCELLED,
+              "single-threaded call returned %d", rc);
         int64_t pos = spel_draft_pos(d);
         CHECK(pos >= 0 && pos <= s->max_seq, "pos %lld outside 0..%d", (long long)pos, s->max_seq);
         if (pos > s->max_seq - 2 * s->ring && rint_to(r, 4) == 0) spel_draft_reset(d);
@@ -133,7 +143,7 @@ static void *worker_main(void *arg) {
             w->busy++;
             sched_yield();
         }
-        if (rc != 0 && rc != -1 && rc != SPEL_ASYNC_PENDING) w->bad++;
+        if (rc != 0 && rc != -1 && rc != SPEL_ASYNC_PENDING && rc != SPEL_CANCELLED) w->bad++;
     }
     while (async && spel_draft_wait(w->d, NULL) == SPEL_BUSY) {
     }
