@@ -22,6 +22,7 @@ import time
 from .api import (DEFAULT_REPETITION_PENALTY, DEFAULT_TEMPERATURE, DEFAULT_TOP_P, GenerationError, GovernorConfig,
                   LoadError, NoCheckpoint, load, prepare)
 from .decoding.sampling import ACCEPT_RULES, DEFAULT_ACCEPT
+from .distributed.link import PipelineError
 
 DEFAULT_PROMPT = "It is a truth universally acknowledged, that"
 DEFAULT_MAX_TOKENS = 200
@@ -88,6 +89,9 @@ def build_parser() -> argparse.ArgumentParser:
                          "placement and use the one the cost model ranks first (reported in "
                          "--stats); default: the GPU where MLX has one, else the CPU. The C "
                          "draft always runs on CPU cores")
+    ap.add_argument("--pipeline", action="store_true",
+                    help="split the target's layers across the processes mlx.launch started (mx.distributed); "
+                         "rank 0 drafts and prints (docs/distributed.md)")
     ap.add_argument("--stats", action="store_true", help="one JSON line of statistics on stderr")
     ap.add_argument("--no-stream", action="store_true", help="print the text only at the end")
     return ap
@@ -162,6 +166,33 @@ def load_model(args):
         raise UsageError(str(e)) from None
 
 
+def check_pipeline(args, mode):
+    """--pipeline drafts on rank 0 with the C draft or n-gram lookup (no MLX draft stack there)."""
+    if args.pipeline and (mode == "oracle" or args.draft in ("mlx", "target") or args.placement == "auto"):
+        raise UsageError("--pipeline drafts with the C draft or n-gram lookup on rank 0: "
+                         "--draft mlx/target, --mode oracle and --placement auto are not available")
+
+
+def open_pipeline(args):
+    """--pipeline: this process's stage (collective: every rank loads its own)."""
+    from .distributed import open_pipeline as open_stage
+    try:
+        return open_stage(args.checkpoint, config=args.config, tokenizer=args.tokenizer)
+    except LoadError as e:
+        raise UsageError(str(e)) from None
+
+
+def serve_rank(pipe, stderr) -> int:
+    """A pipeline rank after the first: serve rank 0 until it stops (rank 0 prints)."""
+    try:
+        from .distributed import serve
+        serve(pipe)
+    except PipelineError as e:
+        print(f"error: {e}", file=stderr)
+        return 1
+    return 0
+
+
 def placed_proposer(args, model, k, prompt, stderr):
     """--placement auto: (the proposer of the placement the cost model ranks first, it)."""
     if args.draft is not None:
@@ -233,10 +264,17 @@ def run(argv=None, stdout=None, stderr=None) -> int:
         args = build_parser().parse_args(argv)
         mode, forced_alpha = parse_mode(args.mode)
         check_args(args)
+        check_pipeline(args, mode)
         text = read_prompt(args)
-        model, tok = load_model(args)
+        if args.pipeline:
+            pipe = open_pipeline(args)
+            if pipe.rank > 0:
+                return serve_rank(pipe, stderr)
+            model, tok = pipe.loaded, pipe.tokenizer
+        else:
+            model, tok = load_model(args)
         request, placement, placed = make_request(args, mode, forced_alpha, model, tok, text, stderr)
-    except NoCheckpoint as e:
+    except (NoCheckpoint, PipelineError) as e:
         print(f"error: {e}", file=stderr)
         return 1
     except UsageError as e:
@@ -260,6 +298,9 @@ def run(argv=None, stdout=None, stderr=None) -> int:
     except DecodeError as e:
         print(f"error: {e}", file=stderr)
         return 2
+    except PipelineError as e:   # a rank of --pipeline failed
+        print(f"error: {e}", file=stderr)
+        return 1
     except BrokenPipeError:
         raise  # main() stops quietly (piped into `head`)
     except OSError as e:  # stdout unwritable (full disk, ...): one line, not a traceback
@@ -282,6 +323,8 @@ def run(argv=None, stdout=None, stderr=None) -> int:
             d["forced_alpha"] = forced_alpha
         if placement is not None:
             d["placement"] = placement.to_dict()
+        if model.pipeline is not None:
+            d["pipeline"] = model.pipeline.summary()
         print(json.dumps(d), file=stderr, flush=True)
     return code
 

@@ -24,44 +24,70 @@ def find_tokenizer_path(tokenizer, ckpt_path: str, vocab: int):
     return beside if os.path.isfile(beside) else None
 
 
-def load_for_decoding(checkpoint=None, config=None, spec_k=None, tokenizer=None, device=None):
-    """(checkpoint, config, tokenizer, model).  `checkpoint` None: SPEL_WEIGHTS, else
-    the installed default; `config`: overrides "k=v,..." that must agree with it;
-    `device`: where the target will run, "cpu" | "gpu" (None: the current default
-    device), which decides its ops (spel_mlx.model.backends)."""
-    from .checkpoints import CheckpointError, default_checkpoint_dir, load_checkpoint
-    from .config import ConfigError, resolve_config
-    from .tokenizer import TokenizerError, load_tokenizer
-
+def checkpoint_path(checkpoint=None) -> str:
+    """`checkpoint`, else SPEL_WEIGHTS, else the installed default (NoCheckpoint when none)."""
+    from .checkpoints import CheckpointError, default_checkpoint_dir
     path = checkpoint or os.environ.get("SPEL_WEIGHTS", "").strip() or None
     if path is None:
         try:
             path = str(default_checkpoint_dir())
         except CheckpointError as e:
             raise NoCheckpoint(str(e)) from None
+    return path
+
+
+def load_for_decoding(checkpoint=None, config=None, spec_k=None, tokenizer=None, device=None):
+    """(checkpoint, config, tokenizer, model).  `checkpoint` None: SPEL_WEIGHTS, else
+    the installed default; `config`: overrides "k=v,..." that must agree with it;
+    `device`: where the target will run, "cpu" | "gpu" (None: the current default
+    device), which decides its ops (spel_mlx.model.backends)."""
+    from .checkpoints import CheckpointError, load_checkpoint
+
+    path = checkpoint_path(checkpoint)
     try:
         ck = load_checkpoint(path)
     except CheckpointError as e:
         raise LoadError(f"checkpoint: {e}") from None
     except (OSError, ValueError) as e:
         raise LoadError(f"checkpoint {path}: {e}") from None
+    cfg = decoding_config(ck.cfg, config, spec_k)
+    tok = decoding_tokenizer(tokenizer, ck.source, cfg)
+    from .model import SpelModel
+    model = SpelModel.from_weights(cfg, ck.weights)
+    select_ops(model, device)
+    return ck, cfg, tok, model
+
+
+def decoding_config(ck_cfg, config=None, spec_k=None):
+    """The checkpoint's config with the overrides `config` (which must agree with it) and spec_k."""
+    from .config import ConfigError, resolve_config
     try:
-        cfg = resolve_config(checkpoint=ck.cfg, overrides=config)
+        cfg = resolve_config(checkpoint=ck_cfg, overrides=config)
         if spec_k is not None:
             cfg = resolve_config(checkpoint=cfg, overrides={"spec_k": spec_k}, use_env=False)
     except ConfigError as e:
         raise LoadError(f"config: {e}") from None
+    return cfg
+
+
+def decoding_tokenizer(tokenizer, source: str, cfg):
+    """The tokenizer for a checkpoint at `source` (see find_tokenizer_path), checked against its vocab."""
+    from .tokenizer import TokenizerError, load_tokenizer
     try:
-        tok = load_tokenizer(cfg.vocab, find_tokenizer_path(tokenizer, ck.source, cfg.vocab))
+        tok = load_tokenizer(cfg.vocab, find_tokenizer_path(tokenizer, source, cfg.vocab))
     except TokenizerError as e:
         raise LoadError(f"tokenizer: {e}") from None
     if getattr(tok, "vocab_size", cfg.vocab) != cfg.vocab:
         raise LoadError(f"tokenizer: {tok.name} has {tok.vocab_size} symbols but the checkpoint's "
                         f"vocab is {cfg.vocab}")
-    from .model import SpelModel, select
-    model = SpelModel.from_weights(cfg, ck.weights)
+    return tok
+
+
+def select_ops(model, device=None) -> None:
+    """The ops of SPEL_KERNELS for `model` on `device` (None: the current default device;
+    auto: by device)."""
+    from .model import select
     try:
-        model.set_ops(select(device=device), device)  # SPEL_KERNELS; auto: by device
+        model.set_ops(select(device=device), device)
     except ValueError as e:
         raise LoadError(f"SPEL_KERNELS: {e}") from None
-    return ck, cfg, tok, model

@@ -66,9 +66,11 @@ class _Row:
 
 
 class DecodeState:
-    def __init__(self, cfg: ModelConfig, stack: str = "target", ring: int | None = None):
+    def __init__(self, cfg: ModelConfig, stack: str = "target", ring: int | None = None, layers=None):
+        """``layers``: the target layers this state covers (a pipeline stage's slice,
+        indexed from 0 here); None: the whole stack."""
         if stack == "target":
-            kinds = [cfg.layer_kind(i) for i in range(cfg.n_layers)]
+            kinds = [cfg.layer_kind(i) for i in (range(cfg.n_layers) if layers is None else layers)]
         elif stack == "draft":
             kinds = [cfg.layer_kind(i) for i in cfg.draft_map]
         else:

@@ -126,9 +126,10 @@ class Decoding:
         k = loaded.cfg.spec_k if s.k is None else s.k
         with loaded.lock, device_scope(loaded.device):
             proposer = _proposer(loaded, s, k, self.params)
+            runner = loaded.pipeline.runner if loaded.pipeline is not None else None
             self.decoder = SpeculativeDecoder(loaded.model, proposer, s.mode, k=k, strict=s.strict,
                                               params=self.params, governor=s.governor,
-                                              forced_alpha=s.forced_alpha)
+                                              forced_alpha=s.forced_alpha, runner=runner)
             self._t0 = time.perf_counter()
 
             def hook(r):

@@ -26,16 +26,20 @@ class LoadedModel:
     device: str = "cpu"
     drafts: OrderedDict = field(default_factory=OrderedDict)
     lock: threading.Lock = field(default_factory=threading.Lock)
+    pipeline: object = None  # a target split across processes (spel_mlx.distributed.Pipeline)
 
     @property
     def cfg(self) -> ModelConfig:
         return self.model.cfg
 
     def close(self):
-        """Close the cached proposers (the C draft's threads and buffers)."""
+        """Close the cached proposers (the C draft's threads and buffers) and stop the
+        pipeline's other processes, if any."""
         with self.lock:
             while self.drafts:
                 self.drafts.popitem()[1].close()
+            if self.pipeline is not None:
+                self.pipeline.close()
 
 
 def load(path=None, *, tokenizer=None, config=None, placement=None):

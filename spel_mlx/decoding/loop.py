@@ -76,7 +76,8 @@ class SpeculativeDecoder:
 
     def __init__(self, model, proposer: Proposer | None = None, mode: str = "spec", k: int = 4,
                  strict: bool = False, params: smp.SamplingParams = smp.GREEDY,
-                 governor: GovernorConfig | None = None, forced_alpha: float | None = None):
+                 governor: GovernorConfig | None = None, forced_alpha: float | None = None,
+                 runner=None):
         if mode not in MODES:
             raise DecodeError(f"mode {mode!r}: expected one of {', '.join(MODES)}")
         if not isinstance(k, int) or not (1 <= k <= MAX_K):
@@ -92,7 +93,9 @@ class SpeculativeDecoder:
         self.params = params.validate()
         self.governor_cfg = governor or GovernorConfig()
         self.forced_alpha = forced_alpha
-        self.target = TargetRunner(model, ring=k + 1, strict=strict)
+        # runner(ring, strict): the target side when it is not `model` in this process
+        # (a pipeline across processes, spel_mlx.distributed); TargetRunner's interface
+        self.target = TargetRunner(model, ring=k + 1, strict=strict) if runner is None else runner(k + 1, strict)
         self.stats = DecodeStats()
         self.output: list = []
         self._forced_carry = 0.0
@@ -202,11 +205,7 @@ class SpeculativeDecoder:
         params, st = self.params, self.stats
         m = len(proposal)
         ta = time.perf_counter()
-        logits = self.target.verify([pending] + proposal)
-        if params.greedy and not params.uses_penalty:
-            targ, rows = mx.argmax(logits, axis=-1).tolist(), None
-        else:
-            rows = np.array(logits)
+        targ, rows = self.target.verify_rows([pending] + proposal, argmax=params.greedy and not params.uses_penalty)
         dt = time.perf_counter() - ta
         if m:
             st.verify_s += dt
@@ -279,5 +278,5 @@ class SpeculativeDecoder:
             mx.eval(self.target.verify([pending]))
             if i:
                 times.append(time.perf_counter() - t0)
-            self.target.state.discard()
+            self.target.discard()
         return float(np.median(times))

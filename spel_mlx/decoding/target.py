@@ -7,6 +7,7 @@ PREFILL_RING, so prompts prefill in batches of that many tokens rather than K+1
 from __future__ import annotations
 
 import mlx.core as mx
+import numpy as np
 
 PREFILL_RING = 16
 
@@ -16,7 +17,8 @@ def token_ids(tokens) -> list:
 
 
 class TargetRunner:
-    """The MLX target model plus its decoding state, with a position counter."""
+    """The MLX target model plus its decoding state, with a position counter.  A target
+    split across processes (``spel_mlx.distributed``) has the same interface."""
 
     def __init__(self, model, ring: int, strict: bool = False):
         self.model = model
@@ -43,6 +45,18 @@ class TargetRunner:
         """Logits [M, V] for `tokens` at pos..pos+M-1, nothing committed."""
         return self.model.forward(token_ids(tokens), self.state, strict=self.strict, stack="target")
 
+    def verify_rows(self, tokens, argmax: bool):
+        """What a round reads of `verify`: (the argmax of each row, None) or, for
+        sampling and penalties, (None, the logits as numpy [M, V])."""
+        logits = self.verify(tokens)
+        if argmax:
+            return mx.argmax(logits, axis=-1).tolist(), None
+        return None, np.array(logits)
+
     def commit(self, n: int):
         self.state.commit(n)
         self.pos += n
+
+    def discard(self):
+        """Drop the uncommitted rows of the last `verify`."""
+        self.state.discard()

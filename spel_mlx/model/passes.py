@@ -1,8 +1,9 @@
 """Decoding passes: one ``mx.compile``d function of a whole stack over M rows.
 
 A pass is compiled per (stack, M, attention window, device).  Its inputs are the
-tokens, the position of row 0 (an int32 scalar, so positions do not retrace),
-the GDN slot arrays and the full KV caches; its outputs the logits, the states
+tokens (a pipeline stage after the first: activations), the position of row 0 (an
+int32 scalar, so positions do not retrace), the GDN slot arrays and the full KV
+caches; its outputs the logits (a stage before the last: activations), the states
 after each row, the updated caches and the GDN q/k.  Weight layouts and gate
 constants are built before tracing, so the pass captures them as constants.
 A single-token forward is the M=1 pass; strict rows run it row by row.
@@ -73,7 +74,8 @@ def make_pass(model, stack: str, M: int, win: int):
             blk.mixer.gates(M)
         for lin in blk.linears():
             ops.prepare_linear(lin, M)
-    ops.prepare_linear(model.lm_head, M)
+    if model.lm_head is not None:      # None: a pipeline stage before the last
+        ops.prepare_linear(model.lm_head, M)
 
     def one_pass(tokens, pos, gdn_in, kv_in):
         gdn_it, kv_it = iter(gdn_in), iter(kv_in)
@@ -88,11 +90,13 @@ def make_pass(model, stack: str, M: int, win: int):
     return mx.compile(one_pass) if model.compile else one_pass
 
 
-def run_pass(model, toks: list, state):
-    """One pass of len(toks) rows after the state's last written position; writes
-    the new KV rows and GDN slots into the state.  Returns logits and the q/k of
-    each GDN layer."""
-    M = len(toks)
+def run_pass(model, toks, state):
+    """One pass of M rows after the state's last written position; writes the new
+    KV rows and GDN slots into the state.  ``toks``: M token ids, or the input
+    activations [M, d] of a pipeline stage after the first.  Returns the stack's
+    output (logits) and the q/k of each GDN layer."""
+    inputs = toks if isinstance(toks, mx.array) else mx.array(toks, dtype=mx.int32)
+    M = inputs.shape[0]
     base = state.pos + state.pending
     win = window(base + M, model.cfg.max_seq)
     key = (state.stack, M, win, str(mx.default_device()))   # device: row blocks are CPU-only
@@ -104,8 +108,7 @@ def run_pass(model, toks: list, state):
         gdn_in.extend(state.current_gdn(li))
     for li in state.attn_layers:
         kv_in.extend(state.kv(li))
-    logits, gdn_out, kv_out, qk = fn(mx.array(toks, dtype=mx.int32), mx.array(base, dtype=mx.int32),
-                                     gdn_in, kv_in)
+    logits, gdn_out, kv_out, qk = fn(inputs, mx.array(base, dtype=mx.int32), gdn_in, kv_in)
     del kv_in   # only the pass may reference the old caches: MLX then updates them in place
     for n, li in enumerate(state.attn_layers):
         state.set_kv(li, kv_out[2 * n], kv_out[2 * n + 1])
