@@ -284,6 +284,40 @@ def test_a_rank_that_dies_or_hangs_ends_the_others(tiny, tmp_path, sig):
         assert "pipeline rank 0: nothing for 3 s while" in results[0][1]
 
 
+IDLE_DRIVER = """
+import sys, time
+from spel_mlx.api import prepare
+from spel_mlx.distributed import open_pipeline, serve
+pipe = open_pipeline(sys.argv[1])
+if pipe.rank:
+    serve(pipe)
+    sys.exit(0)
+for i in range(2):
+    req = prepare(pipe.loaded, pipe.tokenizer, "the cat", 8, temperature=0, mode="spec", draft="ngram")
+    req.run()
+    print(req.stats["tokens"], flush=True)
+    time.sleep(float(sys.argv[2]))
+pipe.loaded.close()
+print(len(pipe.final_stats), flush=True)
+"""
+
+
+def test_an_idle_rank_0_keeps_the_others_waiting(tiny, tmp_path):
+    """Rank 0 idles between requests for longer than the timeout: its keepalive pings
+    keep the other ranks from taking it for hung."""
+    driver = tmp_path / "idle.py"
+    driver.write_text(IDLE_DRIVER)
+    env = dict(os.environ, SPEL_PIPELINE_TIMEOUT="1")
+    procs = start_ranks(2, lambda r: [str(driver), str(tiny), "2.2"], str(tmp_path / "hosts.json"), env=env,
+                        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    out = []
+    for p in procs:
+        o, e = p.communicate(timeout=TIMEOUT)
+        out.append((p.returncode, o, e))
+    assert [c for c, _, _ in out] == [0, 0], out
+    assert out[0][1].split() == ["8", "8", "2"]
+
+
 def test_ranks_agree_on_the_model_or_stop(tiny, tmp_path):
     other = tmp_path / "other.spelw"
     write_tiny(other, seed=6)

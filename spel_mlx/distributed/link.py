@@ -111,8 +111,17 @@ class Link:
         self.next, self.prev = (self.rank + 1) % self.size, (self.rank - 1) % self.size
         self.timeout = timeout
         self.watchdog = watchdog or Watchdog(self.rank)
-        self.stream = mx.new_stream(mx.cpu)    # communication apart from the default stream
+        self._streams = threading.local()
         self.comm_s = 0.0                      # seconds spent in sends and receives
+
+    @property
+    def stream(self):
+        """This thread's communication stream: on the CPU, apart from the default stream
+        (MLX streams belong to the thread that made them; rank 0's keepalive has its own)."""
+        s = getattr(self._streams, "s", None)
+        if s is None:
+            s = self._streams.s = mx.new_stream(mx.cpu)
+        return s
 
     def _eval(self, a, what: str, peer: int, timeout: float | None):
         t0 = time.perf_counter()
@@ -120,6 +129,8 @@ class Link:
             with self.watchdog.waiting(what, self.timeout if timeout is None else timeout):
                 mx.eval(a)
         except RuntimeError as e:
+            if "connection" not in str(e).lower():
+                raise PipelineError(f"pipeline rank {self.rank}: {what} failed: {e}") from None
             raise PipelineError(f"pipeline rank {self.rank}: lost rank {peer} while {what} ({e}): "
                                 f"it exited or its host is unreachable; see its own output") from None
         finally:
