@@ -142,17 +142,11 @@ def test_a_stage_reads_only_its_tensors(tiny, tmp_path):
 # --- launched pipelines ------------------------------------------------------------------
 
 def single_process(path, requests):
-    from spel_mlx.api import load, prepare
+    from spel_mlx.api import load
+    from spel_mlx.distributed.batch import run_request
     model, tok = load(str(path))
     try:
-        out = []
-        for spec in requests:
-            spec = dict(spec)
-            req = prepare(model, tok, spec.pop("prompt"), spec.pop("max_tokens"), **spec)
-            toks = []
-            req.run(on_response=lambda r: toks.extend(r.tokens))
-            out.append(toks)
-        return out
+        return [run_request(model, tok, spec)["tokens"] for spec in requests]
     finally:
         model.close()
 
@@ -230,9 +224,10 @@ def test_the_cli_under_mlx_launch(tiny):
     assert [r["runs"] for r in stats["pipeline"]["per_rank"]] == [stats["rounds"] + calibration] * 2
     bad = subprocess.run(launch_command(2, ["-m", "spel_mlx.generate", "--pipeline", "--draft", "mlx"] + argv),
                          capture_output=True, text=True, timeout=TIMEOUT)
-    # mlx.launch itself exits 0 whatever its ranks do; it reports their codes
+    # mlx.launch itself exits 0 whatever its ranks do; it reports their codes (and ends
+    # the other ranks once one failed)
     assert "--pipeline drafts with the C draft or n-gram" in bad.stderr
-    assert "rank 0 exited with code 2" in bad.stderr and "rank 1 exited with code 2" in bad.stderr
+    assert "rank 0 exited with code 2" in bad.stderr
 
 
 def ranks(tmp_path, n, requests, args_of_rank=None, env=None):

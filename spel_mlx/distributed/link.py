@@ -7,6 +7,13 @@ RUN, by the rows' activations [M, d]; the last rank answers a RUN that asks for
 it with the argmax of each row (int32 [M]) or the rows' logits (float32 [M, V]),
 and a PING with the header itself.
 
+Waiting: the ring backend receives by retrying a non-blocking socket, a busy loop
+for as long as the message takes to come, which takes a core from whatever else
+runs there (on one machine, from the rank that computes).  So a rank first waits in
+the kernel (``select``) until the socket from its previous rank is readable, and only
+then asks MLX to receive; the ring's sockets are found by their addresses in
+MLX_HOSTFILE (other backends: MLX's own wait).
+
 Failure handling: MLX raises when a peer's socket closes (a rank that died);
 ``Link`` turns that into a ``PipelineError`` naming the rank and what it was
 waiting for.  A peer that hangs (stopped, or a link that drops without closing)
@@ -16,7 +23,10 @@ deadline.  mx.eval releases the GIL while it waits, so the thread runs.
 """
 from __future__ import annotations
 
+import json
 import os
+import select
+import socket
 import sys
 import threading
 import time
@@ -102,6 +112,33 @@ class Watchdog:
                 os._exit(EXIT_LOST)
 
 
+def ring_sockets_from_prev(rank: int) -> list:
+    """The ring backend's sockets from the previous rank: those accepted at this rank's
+    own addresses in MLX_HOSTFILE (duplicates, only ever waited on); [] when there is
+    no ring hostfile or none is found."""
+    try:
+        with open(os.environ["MLX_HOSTFILE"]) as f:
+            nodes = json.load(f)
+        own = {(a.rsplit(":", 1)[0], int(a.rsplit(":", 1)[1])) for a in nodes[rank]}
+        fds = [int(n) for n in os.listdir("/dev/fd")]
+    except (KeyError, OSError, ValueError, IndexError, TypeError, AttributeError):
+        return []
+    found = []
+    for fd in fds:
+        try:
+            s = socket.fromfd(fd, socket.AF_INET, socket.SOCK_STREAM)
+        except OSError:
+            continue
+        try:
+            if s.getsockname()[:2] in own and s.getpeername():
+                found.append(s)
+                continue
+        except OSError:
+            pass
+        s.close()
+    return found
+
+
 class Link:
     """This rank's side of the ring: headers and arrays to the next rank, from the
     previous one, each under the watchdog; `timeout` bounds every wait."""
@@ -112,6 +149,7 @@ class Link:
         self.timeout = timeout
         self.watchdog = watchdog or Watchdog(self.rank)
         self._streams = threading.local()
+        self.from_prev = ring_sockets_from_prev(self.rank)
         self.comm_s = 0.0                      # seconds spent in sends and receives
 
     @property
@@ -123,10 +161,14 @@ class Link:
             s = self._streams.s = mx.new_stream(mx.cpu)
         return s
 
-    def _eval(self, a, what: str, peer: int, timeout: float | None):
+    def _eval(self, a, what: str, peer: int, timeout: float | None, ready: bool = False):
+        """Evaluate a send / recv under the watchdog; `ready`: first wait in the kernel
+        until the previous rank's socket has data (or closed)."""
         t0 = time.perf_counter()
         try:
             with self.watchdog.waiting(what, self.timeout if timeout is None else timeout):
+                if ready and self.from_prev:
+                    select.select(self.from_prev, [], [])
                 mx.eval(a)
         except RuntimeError as e:
             if "connection" not in str(e).lower():
@@ -143,7 +185,7 @@ class Link:
 
     def recv(self, shape, dtype, what: str, timeout: float | None = None) -> mx.array:
         return self._eval(mx.distributed.recv(shape, dtype, self.prev, group=self.group, stream=self.stream),
-                          f"waiting for {what} from rank {self.prev}", self.prev, timeout)
+                          f"waiting for {what} from rank {self.prev}", self.prev, timeout, ready=True)
 
     def send_header(self, h: Header) -> None:
         self.send(h.array(), OPS[h.op] + " header")
@@ -161,12 +203,13 @@ class Link:
         return np.array(self._eval(out, f"gathering {what}", self.prev, timeout))
 
 
-STATS_FIELDS = ("runs", "rows", "compute_s", "prefill_runs", "prefill_s", "comm_s")
+STATS_FIELDS = ("runs", "rows", "compute_s", "compute_median_s", "prefill_runs", "prefill_s", "comm_s")
 
 
 class StageCounters:
     """What a rank reports for STATS: RUNs that answer (verifications) and those that
-    do not (prefill chunks), the seconds its stage computed for each, and the seconds
+    do not (prefill chunks), the seconds its stage computed for them (in all, and the
+    median of one verification: robust to other work on the machine), and the seconds
     it spent in sends and receives."""
 
     def __init__(self, link: Link):
@@ -174,19 +217,19 @@ class StageCounters:
         self.reset()
 
     def reset(self):
-        self.runs = self.rows = self.prefill_runs = 0
-        self.compute_s = self.prefill_s = 0.0
+        self.rows = self.prefill_runs = 0
+        self.times, self.prefill_s = [], 0.0
         self._comm0 = self.link.comm_s
 
     def ran(self, rows: int, seconds: float, answered: bool):
         if answered:
-            self.runs += 1
             self.rows += rows
-            self.compute_s += seconds
+            self.times.append(seconds)
         else:
             self.prefill_runs += 1
             self.prefill_s += seconds
 
     def row(self) -> list:
-        return [self.runs, self.rows, self.compute_s, self.prefill_runs, self.prefill_s,
+        median = float(np.median(self.times)) if self.times else 0.0
+        return [len(self.times), self.rows, sum(self.times), median, self.prefill_runs, self.prefill_s,
                 self.link.comm_s - self._comm0]
