@@ -3,6 +3,7 @@ every failure a one-line error (the command-line tools print it)."""
 from __future__ import annotations
 
 import os
+from contextlib import contextmanager
 
 
 class LoadError(ValueError):
@@ -36,20 +37,28 @@ def checkpoint_path(checkpoint=None) -> str:
     return path
 
 
+@contextmanager
+def reading_checkpoint(path: str):
+    """What reading the checkpoint at `path` raises, as a one-line LoadError."""
+    from .checkpoints import CheckpointError
+    try:
+        yield
+    except CheckpointError as e:
+        raise LoadError(f"checkpoint: {e}") from None
+    except (OSError, ValueError) as e:
+        raise LoadError(f"checkpoint {path}: {e}") from None
+
+
 def load_for_decoding(checkpoint=None, config=None, spec_k=None, tokenizer=None, device=None):
     """(checkpoint, config, tokenizer, model).  `checkpoint` None: SPEL_WEIGHTS, else
     the installed default; `config`: overrides "k=v,..." that must agree with it;
     `device`: where the target will run, "cpu" | "gpu" (None: the current default
     device), which decides its ops (spel_mlx.model.backends)."""
-    from .checkpoints import CheckpointError, load_checkpoint
+    from .checkpoints import load_checkpoint
 
     path = checkpoint_path(checkpoint)
-    try:
+    with reading_checkpoint(path):
         ck = load_checkpoint(path)
-    except CheckpointError as e:
-        raise LoadError(f"checkpoint: {e}") from None
-    except (OSError, ValueError) as e:
-        raise LoadError(f"checkpoint {path}: {e}") from None
     cfg = decoding_config(ck.cfg, config, spec_k)
     tok = decoding_tokenizer(tokenizer, ck.source, cfg)
     from .model import SpelModel

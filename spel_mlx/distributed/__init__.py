@@ -7,6 +7,8 @@ model larger than one machine's memory; see docs/distributed.md.
     pipeline.py  open_pipeline (collective loading and agreement), Pipeline (rank 0's handle)
     runner.py    PipelineTarget: TargetRunner's interface on rank 0
     worker.py    serve: the loop of every rank after the first
+    batch.py     python -m spel_mlx.distributed: a batch of requests, JSON lines (tests, bench)
+    launch.py    local pipelines: mlx.launch on 127.0.0.1, or ranks as plain processes
 """
 from .link import PipelineError
 from .pipeline import Pipeline, open_pipeline, serve

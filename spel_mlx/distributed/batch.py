@@ -20,7 +20,7 @@ import time
 
 import numpy as np
 
-from ..api import GenerationError, LoadError, NoCheckpoint, prepare
+from ..api import NoCheckpoint, prepare
 from . import PipelineError, open_pipeline, serve
 
 
@@ -58,24 +58,17 @@ def main(argv=None) -> int:
         with open(args.requests, encoding="utf-8") as f:
             requests = json.load(f)
         pipe = open_pipeline(args.checkpoint, config=args.config, tokenizer=args.tokenizer)
-    except (OSError, ValueError, LoadError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+        if pipe.rank > 0:
+            serve(pipe)
+            return 0
+        try:
+            run_requests(pipe, requests, sys.stdout)
+        finally:
+            pipe.loaded.close()
     except (NoCheckpoint, PipelineError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
-    try:
-        if pipe.rank > 0:
-            serve(pipe)
-        else:
-            try:
-                run_requests(pipe, requests, sys.stdout)
-            finally:
-                pipe.loaded.close()
-    except GenerationError as e:
+    except (OSError, ValueError) as e:          # unreadable requests, LoadError, GenerationError
         print(f"error: {e}", file=sys.stderr)
         return 2
-    except PipelineError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
     return 0

@@ -24,8 +24,7 @@ import numpy as np
 
 import mlx.core as mx
 
-from ..checkpoints import CheckpointError
-from ..loading import LoadError, checkpoint_path, decoding_config, decoding_tokenizer, select_ops
+from ..loading import LoadError, checkpoint_path, decoding_config, decoding_tokenizer, reading_checkpoint, select_ops
 from .link import (NO_CONTROL, PING, STATS, STATS_FIELDS, STOP, Header, Link, PipelineError, StageCounters,
                    Watchdog)
 from .split import draft_tensor_names, split_layers
@@ -161,12 +160,8 @@ def _fingerprint(cfg, tensors) -> list:
 
 def _load_stage(rank, size, checkpoint, config, tokenizer):
     path = checkpoint_path(checkpoint)
-    try:
+    with reading_checkpoint(path):
         tensors = CheckpointTensors(path)
-    except CheckpointError as e:
-        raise LoadError(f"checkpoint: {e}") from None
-    except (OSError, ValueError) as e:
-        raise LoadError(f"checkpoint {path}: {e}") from None
     cfg = decoding_config(tensors.cfg, config)
     try:
         stages = split_layers(cfg, size)
@@ -174,10 +169,8 @@ def _load_stage(rank, size, checkpoint, config, tokenizer):
         raise LoadError(f"--pipeline: {e}") from None
     tok = decoding_tokenizer(tokenizer, path, cfg) if rank == 0 else None
     stage = StageModel(cfg, stages[rank])
-    try:
+    with reading_checkpoint(path):
         stage.load_stage_weights(tensors)
-    except CheckpointError as e:
-        raise LoadError(f"checkpoint: {e}") from None
     select_ops(stage)
     draft = None
     if rank == 0:       # views into the map; the C draft reads them when it is built
