@@ -34,10 +34,15 @@ class CheckpointTensors:
             from ..converters import SafetensorsModel
             st = SafetensorsModel(path)
             self.cfg, self.get, self.release = st.cfg, st.f32, st.release
+            self._stored = lambda name: st.entries[name].file.raw(name)
         else:
             sp = read_spelw(path)
             self.cfg, self.release = sp.cfg, sp.release_tensor
-            self.get = sp.tensors.__getitem__
+            self.get = self._stored = sp.tensors.__getitem__
+
+    def first_row(self, name: str) -> bytes:
+        """The stored bytes of a tensor's first row (reads one row, not the tensor)."""
+        return self._stored(name)[0].tobytes()
 
 
 class StageModel(nn.Module):
