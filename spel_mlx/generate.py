@@ -3,6 +3,8 @@
     python -m spel_mlx.generate                       # default prompt, shipped model
     python -m spel_mlx.generate --prompt "It is a truth" --max-tokens 200 --stats
     python -m spel_mlx.generate --checkpoint m.spelw --mode governed --spec-k 8 --temperature 0
+    mlx.launch --hosts 127.0.0.1 -n 2 --python PYTHON -- -m spel_mlx.generate --pipeline ...
+                                                      # layers split across ranks (docs/distributed.md)
 
 Text streams to stdout as tokens are accepted; --stats prints one JSON line of
 decoding statistics on stderr (also after Ctrl-C, which stops cleanly, exit 130).
