@@ -172,7 +172,8 @@ GREEDY = dict(prompt=PROMPT, max_tokens=40, temperature=0)
 SAMPLED = dict(prompt=PROMPT, max_tokens=40, temperature=0.8, top_p=0.9, seed=11)
 MODES = [dict(GREEDY, mode="ar"), dict(GREEDY, mode="spec", draft="c"), dict(GREEDY, mode="governed", draft="c"),
          dict(GREEDY, mode="spec", draft="ngram", k=3), dict(GREEDY, mode="spec", draft="c", strict=True),
-         dict(SAMPLED, mode="ar"), dict(SAMPLED, mode="spec", draft="c"), dict(SAMPLED, mode="spec", draft="ngram")]
+         dict(SAMPLED, mode="ar"), dict(SAMPLED, mode="spec", draft="c", accept="residual"),
+         dict(SAMPLED, mode="spec", draft="c", accept="coupled"), dict(SAMPLED, mode="spec", draft="ngram")]
 
 
 def test_two_ranks_decode_as_one_process(tiny, tmp_path):
@@ -316,9 +317,10 @@ def test_an_idle_rank_0_keeps_the_others_waiting(tiny, tmp_path):
 def test_ranks_agree_on_the_model_or_stop(tiny, tmp_path):
     other = tmp_path / "other.spelw"
     write_tiny(other, seed=6)
-    for args, msg in (([str(tiny), str(other)], "pipeline rank 1 loaded another model than rank 0 (differs in checksum)"),
-                      ([str(tiny), str(tmp_path / "missing.spelw")], "pipeline rank 1 could not load its stage")):
-        procs = ranks(tmp_path, 2, LONG[:1], lambda r: ["--checkpoint", args[r]])
+    cases = (([tiny, other], "pipeline rank 1 loaded another model than rank 0 (differs in checksum)", 1),
+             ([tiny, tmp_path / "missing.spelw"], "pipeline rank 1 could not load its stage", 2))
+    for paths, msg, rank1_code in cases:
+        procs = ranks(tmp_path, 2, LONG[:1], lambda r: ["--checkpoint", str(paths[r])])
         (c0, e0), (c1, e1) = finish(procs)
-        assert c0 != 0 and msg in e0, e0
-        assert c1 != 0
+        assert c0 == 1 and msg in e0, e0
+        assert c1 == rank1_code, e1      # the missing file: rank 1's own error, a usage error

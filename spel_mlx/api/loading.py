@@ -20,7 +20,7 @@ class LoadedModel:
     (`lock`): the C draft must never be entered from two threads.  `device` is where
     the target runs, "cpu" | "gpu"; the C draft always runs on CPU cores."""
 
-    model: object            # spel_mlx.model.SpelModel
+    model: object            # spel_mlx.model.SpelModel (a pipeline: rank 0's StageModel)
     weights: dict
     source: str
     device: str = "cpu"

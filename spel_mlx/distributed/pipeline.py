@@ -24,11 +24,14 @@ import numpy as np
 
 import mlx.core as mx
 
+from ..api.loading import LoadedModel
 from ..loading import LoadError, checkpoint_path, decoding_config, decoding_tokenizer, reading_checkpoint, select_ops
 from .link import (NO_CONTROL, PING, STATS, STATS_FIELDS, STOP, Header, Link, PipelineError, StageCounters,
                    Watchdog)
+from .runner import PipelineTarget
 from .split import draft_tensor_names, split_layers
 from .stage import CheckpointTensors, StageModel
+from .worker import serve as serve_stage
 
 DEFAULT_TIMEOUT = 30.0      # seconds any rank waits for a message (SPEL_PIPELINE_TIMEOUT)
 START_TIMEOUT = 600.0       # loading: the slowest rank's load, at least
@@ -69,7 +72,6 @@ class Pipeline:
     # --- rank 0 -----------------------------------------------------------------------
     def runner(self, ring: int, strict: bool):
         """The decoder's target side (SpeculativeDecoder's `runner`)."""
-        from .runner import PipelineTarget
         return PipelineTarget(self, ring, strict)
 
     def post(self, op: int, **fields) -> Header:
@@ -182,7 +184,6 @@ def open_pipeline(checkpoint=None, *, config=None, tokenizer=None, backend: str 
     """Collective: load this rank's stage of `checkpoint` and check that every rank
     loaded the same model.  Rank 0's Pipeline carries ``loaded`` (a LoadedModel whose
     target is the pipeline) and ``tokenizer``; the others then call ``serve``."""
-    from ..api.loading import LoadedModel
     timeout = pipeline_timeout(timeout)
     group = mx.distributed.init(backend=backend)
     rank, size = group.rank(), group.size()
@@ -214,6 +215,5 @@ def open_pipeline(checkpoint=None, *, config=None, tokenizer=None, backend: str 
 
 def serve(pipe: Pipeline) -> list:
     """A rank after the first: run its stage until rank 0 stops the pipeline."""
-    from .worker import serve as serve_stage
     pipe.final_stats = serve_stage(pipe.stage, pipe.link)
     return pipe.final_stats
