@@ -179,7 +179,7 @@ def open_pipeline(args):
     """--pipeline: this process's stage (collective: every rank loads its own)."""
     from .distributed import open_pipeline as open_stage
     try:
-        return open_stage(args.checkpoint, config=args.config, tokenizer=args.tokenizer)
+        return open_stage(args.checkpoint, config=args.config, tokenizer=args.tokenizer, placement=args.placement)
     except LoadError as e:
         raise UsageError(str(e)) from None
 

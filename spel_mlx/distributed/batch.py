@@ -52,12 +52,13 @@ def main(argv=None) -> int:
     ap.add_argument("--checkpoint")
     ap.add_argument("--config")
     ap.add_argument("--tokenizer")
+    ap.add_argument("--placement", choices=("gpu", "cpu"), default=None, help="where each rank's stage runs")
     ap.add_argument("--requests", required=True, help="JSON file: a list of requests")
     args = ap.parse_args(argv)
     try:
         with open(args.requests, encoding="utf-8") as f:
             requests = json.load(f)
-        pipe = open_pipeline(args.checkpoint, config=args.config, tokenizer=args.tokenizer)
+        pipe = open_pipeline(args.checkpoint, config=args.config, tokenizer=args.tokenizer, placement=args.placement)
         if pipe.rank > 0:
             serve(pipe)
             return 0

@@ -25,6 +25,7 @@ import numpy as np
 import mlx.core as mx
 
 from ..api.loading import LoadedModel
+from ..model.backends import DeviceError, device_scope, placement_device
 from ..loading import LoadError, checkpoint_path, decoding_config, decoding_tokenizer, reading_checkpoint, select_ops
 from .link import (NO_CONTROL, PING, STATS, STATS_FIELDS, STOP, Header, Link, PipelineError, StageCounters,
                    Watchdog)
@@ -55,8 +56,8 @@ class Pipeline:
     """This process's place in the pipeline: its stage and link; on rank 0 also the
     LoadedModel to decode with (``loaded``) and the tokenizer."""
 
-    def __init__(self, group, link: Link, stage: StageModel, stages: list):
-        self.group, self.link, self.stage, self.stages = group, link, stage, stages
+    def __init__(self, group, link: Link, stage: StageModel, stages: list, device: str):
+        self.group, self.link, self.stage, self.stages, self.device = group, link, stage, stages, device
         self.rank, self.size = group.rank(), group.size()
         self.loaded = self.tokenizer = None
         self.counters = StageCounters(link)
@@ -159,7 +160,7 @@ def _fingerprint(cfg, tensors) -> list:
     return [1] + [getattr(cfg, f) for f in FINGERPRINT[1:-1]] + [crc & 0x7FFFFFFF]
 
 
-def _load_stage(rank, size, checkpoint, config, tokenizer):
+def _load_stage(rank, size, checkpoint, config, tokenizer, device):
     path = checkpoint_path(checkpoint)
     with reading_checkpoint(path):
         tensors = CheckpointTensors(path)
@@ -172,19 +173,25 @@ def _load_stage(rank, size, checkpoint, config, tokenizer):
     stage = StageModel(cfg, stages[rank])
     with reading_checkpoint(path):
         stage.load_stage_weights(tensors)
-    select_ops(stage)
+    select_ops(stage, device)
     draft = None
     if rank == 0:       # views into the map; the C draft reads them when it is built
         draft = {n: tensors.get(n) for n in draft_tensor_names(cfg)}
     return path, cfg, stages, stage, tok, draft, _fingerprint(cfg, tensors)
 
 
-def open_pipeline(checkpoint=None, *, config=None, tokenizer=None, backend: str = "any",
+def open_pipeline(checkpoint=None, *, config=None, tokenizer=None, placement=None, backend: str = "any",
                   timeout: float | None = None) -> Pipeline:
     """Collective: load this rank's stage of `checkpoint` and check that every rank
     loaded the same model.  Rank 0's Pipeline carries ``loaded`` (a LoadedModel whose
-    target is the pipeline) and ``tokenizer``; the others then call ``serve``."""
+    target is the pipeline) and ``tokenizer``; the others then call ``serve``.
+    `placement`: where each rank's stage runs, as ``spel_mlx.load``'s (None: the GPU
+    where MLX has one, else the CPU)."""
     timeout = pipeline_timeout(timeout)
+    try:
+        device = placement_device(placement)
+    except DeviceError as e:
+        raise LoadError(str(e)) from None
     group = mx.distributed.init(backend=backend)
     rank, size = group.rank(), group.size()
     if size < 2:
@@ -193,7 +200,7 @@ def open_pipeline(checkpoint=None, *, config=None, tokenizer=None, backend: str 
     link = Link(group, timeout, Watchdog(rank))
     error, row = None, [0] * len(FINGERPRINT)
     try:
-        path, cfg, stages, stage, tok, draft, row = _load_stage(rank, size, checkpoint, config, tokenizer)
+        path, cfg, stages, stage, tok, draft, row = _load_stage(rank, size, checkpoint, config, tokenizer, device)
     except Exception as e:          # every rank must reach the exchange below, or the others wait
         error = e
     rows = link.gather_rows(row, "every rank's loading result", max(timeout, START_TIMEOUT), np.int32)
@@ -206,14 +213,15 @@ def open_pipeline(checkpoint=None, *, config=None, tokenizer=None, backend: str 
         if diff:
             raise PipelineError(f"pipeline rank {r} loaded another model than rank 0 (differs in "
                                 f"{', '.join(diff)}): give every rank the same checkpoint and --config")
-    pipe = Pipeline(group, link, stage, stages)
+    pipe = Pipeline(group, link, stage, stages, device)
     if rank == 0:
-        pipe.loaded = LoadedModel(stage, draft, path, pipeline=pipe)
+        pipe.loaded = LoadedModel(stage, draft, path, device, pipeline=pipe)
         pipe.tokenizer = tok
     return pipe
 
 
 def serve(pipe: Pipeline) -> list:
     """A rank after the first: run its stage until rank 0 stops the pipeline."""
-    pipe.final_stats = serve_stage(pipe.stage, pipe.link)
+    with device_scope(pipe.device):
+        pipe.final_stats = serve_stage(pipe.stage, pipe.link)
     return pipe.final_stats

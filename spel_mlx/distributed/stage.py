@@ -17,6 +17,7 @@ import mlx.nn as nn
 
 from ..checkpoints import CheckpointError, is_spelw, read_spelw
 from ..decoding.loop import DecodeError
+from ..model.backends import device_name, runs_on
 from ..model.layers import Block, RMSNorm
 from ..model.linear import Linear
 from ..model.passes import run_pass
@@ -94,7 +95,11 @@ class StageModel(nn.Module):
     def ops(self):
         return self._ops
 
-    def set_ops(self, ops) -> None:
+    def set_ops(self, ops, device=None) -> None:
+        """The ops the stage runs with on `device` ("cpu" | "gpu", None: the default
+        device): a rank computes on one device."""
+        if not runs_on(ops, device_name(device)):
+            raise ValueError(f"ops {type(ops).__name__} cannot run on the {device_name(device)} device")
         object.__setattr__(self, "_ops", ops)
         object.__setattr__(self, "compile", not ops.requires_eager)
         self._compiled.clear()
