@@ -84,6 +84,22 @@ def test_stage_tensors_partition_the_target():
         assert sorted(names) == sorted(s.name for s in layout.target_specs(cfg))
 
 
+def test_a_stage_too_large_for_its_process_is_refused_naming_it():
+    from spel_mlx.checkpoints.rules import implied_memory
+    from spel_mlx.distributed.pipeline import check_stage_memory
+    from spel_mlx.distributed.split import split_layers
+    from spel_mlx.loading import LoadError
+    cfg = tiny_config()
+    first, last = split_layers(cfg, 2)
+    draft = implied_memory(cfg)["C draft"]
+    check_stage_memory(cfg, first, have=first.nbytes + draft)         # exactly enough
+    check_stage_memory(cfg, last, have=last.nbytes)
+    with pytest.raises(LoadError, match=r"rank 0's stage \(layers 0..1\) needs about"):
+        check_stage_memory(cfg, first, have=first.nbytes + draft - 1)  # the draft counts on rank 0
+    with pytest.raises(LoadError, match=r"rank 1's stage \(layers 2..3\)"):
+        check_stage_memory(cfg, last, have=last.nbytes - 1)
+
+
 # --- stages in one process --------------------------------------------------------------
 
 def load_stages(path, P, recorded=None):

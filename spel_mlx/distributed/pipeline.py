@@ -25,6 +25,7 @@ import numpy as np
 import mlx.core as mx
 
 from ..api.loading import LoadedModel
+from ..checkpoints.rules import implied_memory, machine_memory
 from ..model.backends import DeviceError, device_scope, placement_device
 from ..loading import LoadError, checkpoint_path, decoding_config, decoding_tokenizer, reading_checkpoint, select_ops
 from .link import (NO_CONTROL, PING, STATS, STATS_FIELDS, STOP, Header, Link, PipelineError, StageCounters,
@@ -160,6 +161,18 @@ def _fingerprint(cfg, tensors) -> list:
     return [1] + [getattr(cfg, f) for f in FINGERPRINT[1:-1]] + [crc & 0x7FFFFFFF]
 
 
+def check_stage_memory(cfg, stage, have=None) -> None:
+    """Refuse (LoadError) a stage this process cannot hold: its FP32 tensors, and on
+    rank 0 the C draft (the whole model's check, checkpoints.rules, would refuse the
+    very models a pipeline is for).  `have`: bytes available (None: machine_memory())."""
+    need = stage.nbytes + (implied_memory(cfg)["C draft"] if stage.first else 0)
+    have = machine_memory() if have is None else have
+    if have is not None and need > have:
+        raise LoadError(f"--pipeline: rank {stage.rank}'s stage (layers {stage.start}..{stage.end - 1}) needs about "
+                        f"{need / 2**30:.2f} GiB but this process can allocate {have / 2**30:.2f} GiB: "
+                        f"use more ranks")
+
+
 def _load_stage(rank, size, checkpoint, config, tokenizer, device):
     path = checkpoint_path(checkpoint)
     with reading_checkpoint(path):
@@ -169,6 +182,7 @@ def _load_stage(rank, size, checkpoint, config, tokenizer, device):
         stages = split_layers(cfg, size)
     except ValueError as e:
         raise LoadError(f"--pipeline: {e}") from None
+    check_stage_memory(cfg, stages[rank])
     tok = decoding_tokenizer(tokenizer, path, cfg) if rank == 0 else None
     stage = StageModel(cfg, stages[rank])
     with reading_checkpoint(path):
