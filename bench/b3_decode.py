@@ -1,15 +1,15 @@
 """B3: decode.
 
 Per regime and placement: AR target tok/s; draft-only tok/s and its c; raw speculation,
-governed speculation, forced acceptance 0.75 and 1.00 at each draft thread count; the
-full-target-as-draft oracle; the rollback primitive against copying the KV cache.
+default speculation (spec's cost-model governor), governed speculation (the original's
+rule), forced acceptance 0.75 and 1.00 at each draft thread count; the full-target-as-draft oracle; the rollback primitive against copying the KV cache.
 
 Every speculative row carries the cost model beside the measurement, with this run's
 own figures: ``c`` = draft time per draft forward / AR token time, ``v`` = verification
 time per K+1 batch / AR token time (both from the row's own rounds), ``alpha`` =
 accepted/proposed, and ``projected = (1 + alpha*K) / ((K+1)*c + v)``. ``speedup`` is the
-row's tok/s over the AR row's tok/s of the same process. The governed row's projection
-weights its speculative and AR rounds (a tripped governor runs the rest as AR).
+row's tok/s over the AR row's tok/s of the same process. The governed rows' projection
+weights their speculative and AR rounds (a tripped governor runs AR rounds).
 
 Placements: target MLX on GPU or CPU x draft C-on-CPU (the ternary/q8 engine, 1..6
 threads), MLX-on-CPU (the FP32 draft layers) or MLX-on-GPU. Rows for a device this
@@ -86,10 +86,10 @@ def draft_only_mlx(model, prompt, n: int, ring: int) -> float:
     return n / (common.now() - t0)
 
 
-def decode(model, draft, mode, K, prompt, warm, gen, forced_alpha=None):
+def decode(model, draft, mode, K, prompt, warm, gen, forced_alpha=None, governor=None):
     """(stats) of one timed generate call after an untimed warm call."""
     from spel_mlx.decoding import SpeculativeDecoder
-    dec = SpeculativeDecoder(model, draft, mode=mode, k=K, forced_alpha=forced_alpha)
+    dec = SpeculativeDecoder(model, draft, mode=mode, k=K, forced_alpha=forced_alpha, governor=governor)
     if warm:
         dec.generate(prompt, warm)
     dec.generate(prompt, gen)
@@ -144,8 +144,16 @@ def draft_placements(threads: list, drafts=("c", "mlx")) -> list:
     return out
 
 
-SPEC_MODES = (("raw spec", "spec", None), ("governed spec", "governed", None),
-              ("forced 0.75", "forced", 0.75), ("forced 1.00", "forced", 1.00))
+SPEC_MODES = (("raw spec", "spec", None), ("default spec", "spec", None),
+              ("governed spec", "governed", None), ("forced 0.75", "forced", 0.75),
+              ("forced 1.00", "forced", 1.00))
+
+
+def governor(label: str):
+    """Raw speculation drafts every round; default spec runs spec's default (the cost
+    model's governor); governed runs the original's rule."""
+    from spel_mlx.decoding import GovernorConfig
+    return GovernorConfig(policy="off") if label == "raw spec" else None
 
 
 def run(job: dict, regime: dict) -> list:
@@ -222,8 +230,8 @@ def run_target_placement(job, regime, tgt_label, tgt_dev, K, warm, gen, prompt, 
                 # one untimed warm call per engine is enough: compiled steps and the
                 # draft's packed weights are shared by every mode that follows
                 st, _ = decode(model, engine, mode, K, prompt, warm if n_mode == 0 else 0, gen,
-                               forced_alpha=fa)
-                m = cost_fields(st, ar_token_s, ar_tok_s, K, governed=(mode == "governed"))
+                               forced_alpha=fa, governor=governor(label))
+                m = cost_fields(st, ar_token_s, ar_tok_s, K, governed=label in ("default spec", "governed spec"))
                 note = "forced acceptance: a system ceiling, not decoding" if mode == "forced" else ""
                 rows.append(make_row(SECTION, label, mode=mode, primary="tok_s", metrics=m,
                                      note=note, forced_alpha=fa, **fields))

@@ -1,10 +1,16 @@
-"""Decoding of the shipped model on held-out texts: greedy ar / spec / governed /
-n-gram / auto, with alpha and tokens per round, beside mlx-lm's greedy decoding of a
-same-shape Llama (random weights) in the same process; and sampled rows (the
-``generate`` defaults: T 0.7, top-p 0.95, penalty 1.1) for both lossless rules.
+"""Decoding of the shipped model on held-out texts: greedy ar / raw spec / spec's default
+(cost governor, drafting ahead while it pays) / governed / n-gram / auto, with alpha and
+tokens per round, beside mlx-lm's greedy decoding of a same-shape Llama (random weights)
+in the same process; and sampled rows (the ``generate`` defaults: T 0.7, top-p 0.95,
+penalty 1.1) for both lossless rules.
 
     python bench/heldout_decode.py [--texts 3] [--prompt 64] [--gen 128] [--repeats 3]
-                                   [--rows all|greedy|sampled] [--checkpoint DIR] [--json out.json]
+                                   [--rows all|greedy|sampled] [--select ar,default]
+                                   [--checkpoint DIR] [--json out.json]
+
+``--checkpoint`` a random-weight file (``python -m spel_mlx.synth --preset 21m``) gives
+the alpha ~ 0 regime, where spec's default must stay near AR; ``--select`` keeps the
+rows whose label contains one of the given words (the ar rows are always kept).
 
 Texts: passages of data/corpus/heldout.txt (the split training never sees) starting
 at 1/(n+1), 2/(n+1), ... of the file, ``--prompt`` tokens each.  Every row is the
@@ -40,16 +46,19 @@ from bench import peers  # noqa: E402
 
 SAMPLED = sp.SamplingParams(temperature=0.7, top_p=0.95, repetition_penalty=1.1)
 COUPLED, RESIDUAL = replace(SAMPLED, accept="coupled"), replace(SAMPLED, accept="residual")
+RAW = sp.GovernorConfig(policy="off")   # every round drafts (raw speculation)
 GREEDY_MODES = [  # (label, mode, draft kind, threads, governor, drafting ahead)
     ("ar", "ar", None, 0, None, False),
-    ("spec, C draft 1 thread", "spec", "c", 1, None, False),
-    ("spec, C draft 1 thread, drafting ahead", "spec", "c", 1, None, True),
-    ("spec, C draft 2 threads", "spec", "c", 2, None, False),
+    ("spec raw, C draft 1 thread", "spec", "c", 1, RAW, False),
+    ("spec raw, C draft 1 thread, drafting ahead", "spec", "c", 1, RAW, True),
+    ("spec raw, C draft 2 threads", "spec", "c", 2, RAW, False),
+    ("spec (the default: cost governor, drafting ahead while it pays), C draft 1 thread",
+     "spec", "c", 1, None, "auto"),
     ("governed, C draft 1 thread, drafting ahead", "governed", "c", 1, None, True),
     ("governed (grace 2), C draft 1 thread, drafting ahead", "governed", "c", 1,
      sp.GovernorConfig(zero_accept_grace=2), True),
-    ("spec, n-gram draft", "spec", "ngram", 0, None, False),
-    ("spec, auto (n-gram, else C drafting ahead)", "spec", "auto", 1, None, True),
+    ("spec raw, n-gram draft", "spec", "ngram", 0, RAW, False),
+    ("spec raw, auto (n-gram, else C drafting ahead)", "spec", "auto", 1, RAW, True),
 ]
 SAMPLED_MODES = [  # (label, mode, draft kind, threads, params, drafting ahead)
     ("ar, sampled", "ar", None, 0, COUPLED, False),
@@ -80,8 +89,11 @@ def main(argv=None) -> int:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--k", type=int, default=4)
     ap.add_argument("--rows", choices=("all", "greedy", "sampled"), default="all")
+    ap.add_argument("--select", default="", help="comma-separated words: only rows whose label holds one")
     ap.add_argument("--json", default="")
     a = ap.parse_args(argv)
+    words = [w for w in a.select.split(",") if w]
+    wanted = lambda label: not words or label.startswith("ar") or any(w in label for w in words)  # noqa: E731
     ck = load_checkpoint(a.checkpoint)
     cfg = ck.cfg
     tok_path = os.path.join(ck.source, "tokenizer.model") if os.path.isdir(ck.source) else None
@@ -90,12 +102,12 @@ def main(argv=None) -> int:
     prompts = heldout_prompts(tok, a.data, a.texts, a.prompt)
     decoders = {}   # label -> (decoder, the ar label it is compared with, sampled)
     if a.rows in ("all", "greedy"):
-        for label, mode, kind, threads, gov, ahead in GREEDY_MODES:
+        for label, mode, kind, threads, gov, ahead in filter(lambda r: wanted(r[0]), GREEDY_MODES):
             draft = None if kind is None else sp.make_proposer(kind, model, weights=ck.weights, k=a.k,
                                                              threads=threads or None, ahead=ahead)
             decoders[label] = (sp.SpeculativeDecoder(model, draft, mode, k=a.k, governor=gov), "ar", False)
     if a.rows in ("all", "sampled"):
-        for label, mode, kind, threads, params, ahead in SAMPLED_MODES:
+        for label, mode, kind, threads, params, ahead in filter(lambda r: wanted(r[0]), SAMPLED_MODES):
             draft = None if kind is None else sp.make_proposer(kind, model, weights=ck.weights, k=a.k,
                                                              threads=threads or None, ahead=ahead)
             decoders[label] = (sp.SpeculativeDecoder(model, draft, mode, k=a.k, params=params), "ar, sampled", True)

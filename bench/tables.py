@@ -118,13 +118,14 @@ def headline(results) -> tuple:
     body.append([f"v at M=K+1={K+1}, fast (strict)"] +
                 [f"{_cell(v_rows[g], 'v')} ({_cell(vs_rows[g], 'v')})" for g in regimes] +
                 [ORIGINAL["v5"]])
-    for name, label in (("raw spec", "raw speculation"), ("governed spec", "governed"),
+    for name, label in (("raw spec", "raw speculation"), ("default spec", "default (cost governor)"),
+                        ("governed spec", "governed"),
                         ("forced 0.75", "forced 0.75 (ceiling)"), ("forced 1.00", "forced 1.00 (ceiling)")):
         for t in threads:
             body.append([f"{label}, K={K}, C draft {t} thr"] +
                         [spec_cell(b3(g, name, "target=mlx-cpu draft=c-cpu", t, K)) for g in regimes] +
                         [ORIGINAL["raw"] if (name == "raw spec" and t == threads[-1]) else ""])
-        if name in ("raw spec", "governed spec"):
+        if name in ("raw spec", "default spec", "governed spec"):
             body.append([f"{label}, K={K}, C draft 1 thr, drafting ahead"] +
                         [spec_cell(b3(g, name, "target=mlx-cpu draft=c-cpu ahead", 1, K)) for g in regimes] +
                         [""])
@@ -302,7 +303,7 @@ def _b3_regime(g, rows) -> list:
         i += 1
         spec = r["mode"] in ("spec", "governed", "forced", "oracle")
         extra = ""
-        if r["mode"] == "governed":
+        if r["mode"] == "governed" or r["name"] == "default spec":
             extra = f"trips {_cell(r, 'governor_trips')}, AR rounds {_cell(r, 'ar_rounds')}"
         if r.get("note"):
             extra = (extra + "; " if extra else "") + r["note"]

@@ -56,7 +56,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="C draft worker threads 1..6 (default SPEL_DRAFT_THREADS or 1)")
     ap.add_argument("--draft-ahead", choices=("auto", "on", "off"), default="auto",
                     help="C draft: draft the next round on another core while the target "
-                         "verifies (default auto: on with 2+ CPUs and 1 draft thread)")
+                         "verifies (default auto: with 2+ CPUs and 1 draft thread, while the "
+                         "measured wait for it stays below what it saves)")
     ap.add_argument("--temperature", type=float, default=DEFAULT_TEMPERATURE,
                     help=f"0 = exact greedy (default {DEFAULT_TEMPERATURE})")
     ap.add_argument("--top-p", type=float, default=DEFAULT_TOP_P)
@@ -76,6 +77,11 @@ def build_parser() -> argparse.ArgumentParser:
                                         "else the shipped one; vocab 128 uses ASCII bytes)")
     ap.add_argument("--config", help="config overrides k=v,...; must agree with the checkpoint")
     ap.add_argument("--strict", action="store_true", help="strict (bit-exact) verification path")
+    ap.add_argument("--governor", choices=("cost", "original", "off"), default=None,
+                    help="when rounds draft: cost (the cost model: drafts while that pays, re-probes "
+                         "with back-off), original (the original's rule: the first zero-accept round "
+                         "stops drafting), off (every round drafts); default cost for --mode spec "
+                         "(off when sampling with the residual rule), original for --mode governed")
     ap.add_argument("--governor-resume", type=int, default=0, metavar="N",
                     help="governed mode: re-probe drafting after N AR tokens (0 = never)")
     ap.add_argument("--governor-window", type=int, default=8, metavar="ROUNDS",
@@ -224,7 +230,7 @@ def make_request(args, mode, forced_alpha, model, tok, text, stderr):
     if args.placement == "auto" and mode != "ar":
         placed, placement = placed_proposer(args, model, k, prompt, stderr)
         draft = placed
-    gov = GovernorConfig(window=args.governor_window, alpha_threshold=args.alpha_threshold,
+    gov = GovernorConfig(policy=args.governor, window=args.governor_window, alpha_threshold=args.alpha_threshold,
                          resume_after=args.governor_resume, zero_accept_grace=args.governor_grace)
     try:
         request = prepare(model, tok, prompt, args.max_tokens, temperature=args.temperature, top_p=args.top_p,

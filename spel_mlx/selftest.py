@@ -151,12 +151,14 @@ def suite_batched(ctx):
 
 
 def suite_spec_fidelity(ctx):
-    from .decoding import SpeculativeDecoder, make_proposer
+    from .decoding import GovernorConfig, SpeculativeDecoder, make_proposer
     parts, ok = [], True
+    raw = GovernorConfig(policy="off")     # spec drafts every round: the most rounds checked
     for K, mode, n in ((4, "spec", 40), (4, "governed", 32), (16, "spec", 32), (16, "governed", 32)):
         ref = ctx.ar(0, n)
         draft = ctx.draft(K)
-        dec = SpeculativeDecoder(ctx.model, draft, mode, k=K, strict=True)
+        dec = SpeculativeDecoder(ctx.model, draft, mode, k=K, strict=True,
+                                 governor=raw if mode == "spec" else None)
         out = dec.generate(ctx.prompts[0], n)
         draft.close()
         same = sum(a == b for a, b in zip(out, ref)) if len(out) == len(ref) else 0
@@ -200,11 +202,11 @@ def suite_notebank(ctx):
 
 def suite_fast_path(ctx):
     import mlx.core as mx
-    from .decoding import SpeculativeDecoder
+    from .decoding import GovernorConfig, SpeculativeDecoder
     n = 24
     ref = ctx.ar(0, n, strict=True)
     draft = ctx.draft(4, strict=False)
-    dec = SpeculativeDecoder(ctx.model, draft, "spec", k=4, strict=False)
+    dec = SpeculativeDecoder(ctx.model, draft, "spec", k=4, strict=False, governor=GovernorConfig(policy="off"))
     out = dec.generate(ctx.prompts[0], n)
     draft.close()
     same = sum(a == b for a, b in zip(out, ref))

@@ -13,3 +13,20 @@ def require_or_skip(ok: bool, why: str, env: str = "SPEL_REQUIRE_CROSS"):
     if os.environ.get(env) == "1":
         pytest.fail(f"{why} ({env}=1: this test must not skip)")
     pytest.skip(why)
+
+
+@pytest.fixture(scope="module")
+def shipped_c_run():
+    """(checkpoint, model, prompt, its 60-token AR output): the shipped model for tests of
+    the C draft's proposers (skipped when the C draft is not built)."""
+    import numpy as np
+    from spel_mlx.checkpoints import load_checkpoint
+    from spel_mlx.decoding import SpeculativeDecoder
+    from spel_mlx.model import SpelModel
+    from spel_mlx.native import clib
+    if not clib.available():
+        pytest.skip(f"C draft unavailable: {clib.IMPORT_ERROR}")
+    ck = load_checkpoint()
+    model = SpelModel.from_weights(ck.cfg, ck.weights)
+    prompt = [int(t) for t in np.arange(40) * 37 % ck.cfg.vocab]
+    return ck, model, prompt, SpeculativeDecoder(model, None, "ar").generate(prompt, 60)

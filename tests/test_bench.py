@@ -77,9 +77,14 @@ def test_smoke_cost_model_beside_every_speculative_row(smoke):
     assert spec, "at least the MLX-draft and oracle rows run everywhere"
     for r in spec:
         m = r["metrics"]
-        runs = zip(m["alpha"]["runs"], m["c"]["runs"], m["v"]["runs"], m["projected"]["runs"])
-        for alpha, c, v, proj in runs:
-            assert proj == pytest.approx(common.cost_model_speedup(alpha, r["K"], c, v), rel=1e-9)
+        runs = zip(m["alpha"]["runs"], m["c"]["runs"], m["v"]["runs"], m["projected"]["runs"],
+                   m["tokens"]["runs"], m["spec_rounds"]["runs"], m["ar_rounds"]["runs"])
+        for alpha, c, v, proj, tokens, spec_rounds, ar_rounds in runs:
+            if r["name"] == "default spec":     # governed: drafting and AR rounds weighted
+                cost = spec_rounds * ((r["K"] + 1) * c + v) + ar_rounds
+                assert proj == pytest.approx(tokens / cost, rel=1e-9)
+            else:
+                assert proj == pytest.approx(common.cost_model_speedup(alpha, r["K"], c, v), rel=1e-9)
         assert 0.0 <= m["alpha"]["median"] <= 1.0
     forced = [r for r in spec if r["mode"] == "forced" and r.get("forced_alpha") == 1.0]
     assert forced and all(r["metrics"]["alpha"]["median"] == 1.0 for r in forced)

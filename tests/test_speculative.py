@@ -24,6 +24,8 @@ from spel_mlx.native import clib
 
 from test_sampling import pooled_chi2
 
+RAW = GovernorConfig(policy="off")     # spec with every round drafting (raw speculation)
+
 
 # ---------------------------------------------------------------------------
 # toy model: logits depend on the last two tokens through a fixed table
@@ -104,8 +106,8 @@ def test_toy_greedy_spec_equals_ar(K, noise):
     model = ToyModel(draft_noise=noise, seed=K)
     for prompt in toy_prompts(12, seed=K):
         ref = toy_ar(model, prompt, 30)
-        for mode in ("spec", "governed"):
-            dec = SpeculativeDecoder(model, MLXProposer(model, "draft", ring=K + 1), mode, k=K)
+        for mode, gov in (("spec", RAW), ("spec", None), ("governed", None)):
+            dec = SpeculativeDecoder(model, MLXProposer(model, "draft", ring=K + 1), mode, k=K, governor=gov)
             assert dec.generate(prompt, 30) == ref
             st = dec.stats
             assert st.tokens == 30 and st.rounds == st.spec_rounds + st.ar_rounds
@@ -115,7 +117,7 @@ def test_toy_greedy_spec_equals_ar(K, noise):
             # the governor suspended drafting)
             tc, dc = dec.target.state.committed, dec.proposer.state.committed
             assert dc == tc[:len(dc)]
-            if mode == "spec":  # only a final k=0 round (one token left) skips the draft
+            if gov is RAW:  # only a final k=0 round (one token left) skips the draft
                 assert len(tc) - len(dc) <= 1
         ar = SpeculativeDecoder(model, None, "ar", k=K)
         assert ar.generate(prompt, 30) == ref
@@ -137,7 +139,7 @@ def test_toy_round_structure_counts_target_work():
     """One verify batch of K+1 per round: target token-forwards = prompt-1 + sum(K+1)."""
     model = ToyModel(draft_noise=0.5, seed=3)
     K = 4
-    dec = SpeculativeDecoder(model, MLXProposer(model, "draft", ring=K + 1), "spec", k=K)
+    dec = SpeculativeDecoder(model, MLXProposer(model, "draft", ring=K + 1), "spec", k=K, governor=RAW)
     model.forward_tokens = 0
     prompt = [5, 6, 7, 8]
     dec.generate(prompt, 25)
@@ -264,13 +266,13 @@ def test_auto_gates_a_useless_model_draft():
     prompt = [7, 1, 9]
     ref = toy_ar(model, prompt, 80)
     auto = AutoProposer(NgramProposer(12), MLXProposer(model, "draft", ring=5))
-    dec = SpeculativeDecoder(model, auto, "spec", k=4)
+    dec = SpeculativeDecoder(model, auto, "spec", k=4, governor=RAW)   # the gate alone
     assert dec.generate(prompt, 80) == ref
     st = dec.stats
     assert st.extra["auto_gate_trips"] >= 1 and st.extra["auto_gated_rounds"] > 0
     assert auto.used_model < 20  # a few probes, not every n-gram miss
     good = AutoProposer(NgramProposer(12), MLXProposer(model, "target", ring=5))
-    dec = SpeculativeDecoder(model, good, "spec", k=4)
+    dec = SpeculativeDecoder(model, good, "spec", k=4, governor=RAW)
     assert dec.generate(prompt, 80) == ref
     assert dec.stats.extra["auto_gate_trips"] == 0
 
@@ -298,7 +300,7 @@ def test_round_hook_separates_drafted_tokens_from_the_correction():
     prompt = [1, 2, 3]
     ref = toy_ar(model, prompt, 40)
     rounds, streamed = [], []
-    dec = SpeculativeDecoder(model, MLXProposer(model, "draft", ring=5), "spec", k=4)
+    dec = SpeculativeDecoder(model, MLXProposer(model, "draft", ring=5), "spec", k=4, governor=RAW)
     out = dec.generate(prompt, 40, on_tokens=streamed.append, on_round=rounds.append)
     assert out == ref and len(rounds) == dec.stats.rounds
     assert [list(r.emitted) for r in rounds] == streamed
@@ -550,7 +552,7 @@ def test_shipped_c_draft_ahead_hits_and_equals_ar():
     prompt = [int(t) for t in np.arange(40) * 37 % ck.cfg.vocab]
     ref = SpeculativeDecoder(model, None, "ar").generate(prompt, 60)
     draft = make_proposer("c", model, ck.weights, k=4, threads=1, ahead=True)
-    dec = SpeculativeDecoder(model, draft, "spec", k=4)
+    dec = SpeculativeDecoder(model, draft, "spec", k=4, governor=RAW)
     assert dec.generate(prompt, 60) == ref
     assert dec.stats.extra["ahead_hits"] > 0
     auto = make_proposer("auto", model, ck.weights, k=4, threads=1, ahead=True)

@@ -4,11 +4,11 @@ reported round by round -- which emitted tokens were accepted draft proposals an
 was the target's own token (its correction, or the token of an AR round)."""
 from __future__ import annotations
 
-import os
 import time
 from dataclasses import dataclass
 
 from ..decoding import MODES, PROPOSER_KINDS, DecodeError, GovernorConfig, SamplingParams, SpeculativeDecoder
+from ..decoding.ahead import usable_cpus
 from ..decoding.factory import default_draft_threads, make_proposer
 from ..decoding.loop import MAX_K, checked_prompt
 from ..decoding.sampling import DEFAULT_ACCEPT, SamplingError  # noqa: F401  (DEFAULT_ACCEPT: generation)
@@ -82,9 +82,11 @@ def _proposer(loaded, settings: DecodeSettings, k: int, params):
     if kind is None:
         kind = "c" if clib.available() else "mlx"
     threads = settings.draft_threads or default_draft_threads()
-    ahead = settings.draft_ahead == "on" or (settings.draft_ahead == "auto" and (os.cpu_count() or 1) >= 2
-                                             and threads == 1)
-    ahead = ahead and kind in ("c", "auto")
+    if settings.draft_ahead == "auto":    # while it pays (decoding.ahead); 2+ CPUs, 1 draft thread
+        ahead = "auto" if usable_cpus() >= 2 and threads == 1 else False
+    else:
+        ahead = settings.draft_ahead == "on"
+    ahead = ahead if kind in ("c", "auto") else False
     key = (kind, k, threads, ahead, settings.strict)
     cache = loaded.drafts
     if key in cache:

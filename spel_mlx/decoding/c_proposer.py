@@ -2,6 +2,8 @@
 plainly, or drafting the next round while the target verifies this one."""
 from __future__ import annotations
 
+import time
+
 from .proposer import Proposer, wants_qs
 
 
@@ -91,11 +93,15 @@ class CDraftAheadProposer(CDraftProposer):
     the same context and noise); the ring holds 2K+2.  The thread is the C module's own: a
     Python thread would first wait for the GIL, which the target's pass holds.
     ``draft_s`` (and c) counts only the draft work left on the critical path.
-    docs/decoding.md, "Drafting ahead".
+    docs/decoding.md, "Drafting ahead".  `policy` (an ``ahead.AheadPolicy``) decides per
+    round whether to start a continuation, from the commit's wait for it and the hits;
+    None: always.
     """
 
-    def __init__(self, cdraft):
+    def __init__(self, cdraft, policy=None):
         super().__init__(cdraft)
+        self.policy = policy
+        self._round = (False, False, None)     # (started a continuation, hit, fresh proposal s)
         self._running = False
         self._ready = None          # (pending, proposal, guess, qs, guess q) of a kept continuation
         self._k = 0
@@ -118,6 +124,12 @@ class CDraftAheadProposer(CDraftProposer):
         self.hits = self.misses = 0
         super().reset()
 
+    def sync(self, history):
+        self._join()
+        if self.pos < len(history):
+            self._ready = None      # a kept continuation does not follow tokens committed without it
+        super().sync(history)
+
     def propose(self, history, pending, k, params, seed):
         self._join()
         if 2 * k + 2 > self.ring:
@@ -127,6 +139,7 @@ class CDraftAheadProposer(CDraftProposer):
         ready, self._ready = self._ready, None
         # a kept continuation is valid only right after its round: same pending, same K,
         # and no tokens committed meanwhile without this draft (auto's n-gram rounds)
+        fresh_s = None
         if ready is not None and ready[0] == int(pending) and len(ready[1]) == k and \
                 self.pos == len(history):
             _, proposal, guess, qs, guess_q = ready     # drafted during the last verify
@@ -137,12 +150,17 @@ class CDraftAheadProposer(CDraftProposer):
             self.sync(history)
             if sampled:
                 self._context(params, history, len(history))
+            t0 = time.perf_counter()
             toks = self.cdraft.propose_at(int(pending), k, 0, guess=True)
+            fresh_s = time.perf_counter() - t0
             proposal, guess = toks[:k], toks[k]
             qs, guess_q = self._qs(params, 0, k), self._q(params, k)
             self.forwards += k + 1
         self._k, self._guess, self._guess_q, self._params = k, guess, guess_q, params
-        if int(self.cdraft.pos) + 2 * k + 2 <= self.cdraft.cfg.max_seq:   # the continuation's positions fit
+        start = (self.policy is None or self.policy.ahead) and \
+            int(self.cdraft.pos) + 2 * k + 2 <= self.cdraft.cfg.max_seq   # the continuation's positions fit
+        self._round = (start, fresh_s is None, fresh_s)
+        if start:
             if sampled:   # its pending token g sits at sequence index len(history) + k + 1
                 W = params.window
                 tail = (list(history[-W:]) if W else []) + [int(pending)] + proposal
@@ -152,7 +170,11 @@ class CDraftAheadProposer(CDraftProposer):
         return proposal, qs
 
     def commit(self, n: int):
+        t0 = time.perf_counter()
         ahead = self._join(wanted=n == self._k + 1)     # a round that rejected: drop it at once
+        if self.policy is not None:
+            self.policy.round(*self._round, time.perf_counter() - t0)
+        self._round = (False, False, None)
         if ahead is not None and n == self._k + 1:
             k, params = self._k, self._params
             qs, guess_q = self._qs(params, k + 1, k), self._q(params, 2 * k + 1)   # before the offsets shift
@@ -172,4 +194,7 @@ class CDraftAheadProposer(CDraftProposer):
             super().close()
 
     def extra_stats(self) -> dict:
-        return {"ahead_hits": self.hits, "ahead_misses": self.misses}
+        out = {"ahead_hits": self.hits, "ahead_misses": self.misses}
+        if self.policy is not None:
+            out.update(self.policy.stats())
+        return out

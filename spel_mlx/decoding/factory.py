@@ -1,6 +1,7 @@
 """Proposers by name: the ``--draft`` kinds."""
 from __future__ import annotations
 
+from .ahead import AheadPolicy, spare_core
 from .auto import AutoProposer
 from .c_proposer import CDraftAheadProposer, CDraftProposer
 from .loop import DecodeError
@@ -22,11 +23,12 @@ def default_draft_threads() -> int:
 
 def make_proposer(kind: str, model, weights=None, k: int = 4, threads: int | None = None,
                   strict: bool = False, ngram_n=(2, 4), auto_fallback: str = "c",
-                  ahead: bool = False) -> Proposer:
+                  ahead: bool | str = False) -> Proposer:
     """Build a proposer by name.  `weights` (the weights dict) is needed by the C
     draft (threads None = SPEL_DRAFT_THREADS, else 1); "auto" puts the n-gram
     proposer ahead of `auto_fallback`.  `ahead`: the C draft drafts the next round
-    during verification (CDraftAheadProposer; greedy)."""
+    during verification (CDraftAheadProposer; greedy): True always, "auto" while that
+    pays (ahead.AheadPolicy, starting from whether a core looks free)."""
     ring = k + 1
     if kind == "mlx":
         return MLXProposer(model, "draft", ring=ring, strict=strict)
@@ -39,7 +41,8 @@ def make_proposer(kind: str, model, weights=None, k: int = 4, threads: int | Non
         if weights is None:
             raise DecodeError("the C draft needs the checkpoint's weights")
         if ahead:
-            return CDraftAheadProposer(CDraft(model.cfg, weights, threads=threads, ring=2 * k + 2))
+            policy = AheadPolicy(start_ahead=spare_core()) if ahead == "auto" else None
+            return CDraftAheadProposer(CDraft(model.cfg, weights, threads=threads, ring=2 * k + 2), policy)
         return CDraftProposer(CDraft(model.cfg, weights, threads=threads, ring=ring))
     if kind == "auto":
         fallback = make_proposer(auto_fallback, model, weights, k, threads, strict, ngram_n, ahead=ahead)

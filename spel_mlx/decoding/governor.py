@@ -1,24 +1,81 @@
-"""The governor (SPEC 5): suspends drafting for the rest of a call when the rolling
-acceptance falls below a threshold or a round accepts nothing; resumption is opt-in."""
+"""Governors (SPEC 5): when a round drafts and when it runs autoregressively.
+
+``Governor`` is the original's rule: suspend drafting for the rest of a call when
+the rolling acceptance falls below a threshold or a round accepts nothing
+(resumption opt-in).  ``CostGovernor`` is the default of ``spec``: it drafts while
+the rolling acceptance beats the break-even acceptance of the cost model, from
+round times it measures itself, and re-probes with exponential back-off.
+
+Both see every round through ``round(accepted, proposed, seconds)`` (proposed 0:
+an AR round) and answer ``drafting`` for the next one.  Greedy output does not
+depend on either: a governor only chooses which rounds verify proposals.
+"""
 from __future__ import annotations
 
+import statistics
 from collections import deque
 from dataclasses import dataclass
+
+POLICIES = ("cost", "original", "off")
 
 
 @dataclass
 class GovernorConfig:
-    window: int = 8              # rounds in the rolling accepted/proposed ratio
+    policy: str | None = None    # cost | original | off (raw); None: cost for spec, original for governed
+    window: int = 8              # drafting rounds in the rolling acceptance (both policies)
+    # the original's rule
     alpha_threshold: float = 0.3  # trip when the window's ratio falls below this
     min_rounds: int = 4          # rounds before the ratio test applies
     zero_accept_trip: bool = True  # trip on a round that accepts nothing
     zero_accept_grace: int = 0   # opt-in: the zero-accept trip waits for this many rounds
     resume_after: int = 0        # opt-in: re-probe drafting after this many AR tokens (0 = never)
+    # the cost model's (docs/decoding.md, "Cost-model governor": chosen on recorded traces)
+    margin: float = 0.1          # suspend below (1 - margin) of AR speed: noise and regression
+    prior_rounds: float = 2.0    # pseudo-rounds at the call's acceptance in the window's
+    prior_alpha: float = 0.5     # one pseudo-round at this in the call's acceptance
+    first_rounds: int = 2        # drafting rounds of a call before it may trip
+    ar_first: int = 2            # AR rounds a call starts with when it has no AR time yet
+    ar_samples: int = 8          # AR round times kept (their robust mean is the AR reference)
+    backoff: int = 16            # AR tokens before the first re-probe
+    backoff_growth: int = 4      # its factor per probe that trips within a window
+    backoff_max: int = 512
+
+    def policy_for(self, mode: str, params=None) -> str:
+        """The policy a mode runs: the configured one, else the original's for governed;
+        for spec the cost model's, unless the sampled output depends on where rounds
+        start (the residual rule: a timed governor would make seeded runs irreproducible)."""
+        if self.policy is not None:
+            if self.policy not in POLICIES:
+                raise ValueError(f"governor policy {self.policy!r}: expected one of {', '.join(POLICIES)}")
+            return self.policy
+        if mode == "governed":
+            return "original"
+        return "off" if rounds_change_output(params) else "cost"
+
+
+def rounds_change_output(params) -> bool:
+    """Whether the emitted tokens depend on which rounds draft: only when sampling with a
+    rule whose draws follow the round structure (greedy and coupled sampling do not)."""
+    return params is not None and not params.greedy and params.accept != "coupled"
+
+
+def make_governor(cfg: GovernorConfig, mode: str, params=None, ar_seconds: float | None = None):
+    """The governor of one call in `mode` (None: every round drafts); `ar_seconds`: an AR
+    round time measured before (the cost model then needs no AR rounds to start)."""
+    if mode not in ("spec", "governed"):
+        return None
+    policy = cfg.policy_for(mode, params)
+    if policy == "off":
+        return None
+    return Governor(cfg) if policy == "original" else CostGovernor(cfg, ar_seconds)
 
 
 class Governor:
     """SPEC 5 governor: suspends drafting when the rolling acceptance ratio
     falls below the threshold or a round accepts zero proposals."""
+
+    policy = "original"
+    ar_seconds = None
 
     def __init__(self, cfg: GovernorConfig | None = None):
         self.cfg = cfg or GovernorConfig()
@@ -30,6 +87,12 @@ class Governor:
         self.trips = 0
         self.resumes = 0
         self._ar_tokens = 0
+
+    def round(self, accepted: int, proposed: int, seconds: float):
+        if proposed:
+            self.record(accepted, proposed)
+        else:
+            self.ar_tokens(1)
 
     def record(self, accepted: int, proposed: int):
         if proposed <= 0:
@@ -54,3 +117,98 @@ class Governor:
             self.drafting = True
             self.resumes += 1
             self.window.clear()
+
+    def stats(self) -> dict:
+        return {"governor": self.policy}
+
+
+def robust_mean(times) -> float:
+    """The mean of round times, each capped at 4x their median: what throughput sees
+    (a busy machine preempts long rounds more often, so a median would favour short
+    AR rounds), without letting one stalled round decide."""
+    cap = 4.0 * statistics.median(times)
+    return statistics.fmean(min(t, cap) for t in times)
+
+
+class CostGovernor:
+    """Drafts while drafting pays by the cost model, measured on this call's rounds.
+
+    SPEC 5: a round of k proposals costs (k+1)c + v AR tokens and emits 1 + alpha*k, so
+    drafting pays while alpha > alpha* = ((k+1)c + v - 1) / k.  Here (k+1)c + v is the
+    window's mean drafting-round time over the median AR round time (so c is the
+    draft's share left on the critical path: with drafting ahead, none on a hit), and
+    alpha the window's accepted/proposed shrunk towards the call's own (`prior_rounds`
+    pseudo-rounds; the call's in turn starts from one round at `prior_alpha`), so an
+    unlucky round of a good draft does not trip it and a useless draft trips in a round
+    or two.  It suspends below (1 - margin) of AR speed, runs `backoff` AR tokens, then
+    re-probes with a cleared window; a probe that trips within a window multiplies the
+    back-off by `backoff_growth` (up to backoff_max), one that lasts resets it.  A call
+    without an AR round time starts with `ar_first` AR rounds.
+    """
+
+    policy = "cost"
+
+    def __init__(self, cfg: GovernorConfig | None = None, ar_seconds: float | None = None):
+        self.cfg = cfg or GovernorConfig()
+        self.window = deque(maxlen=max(1, self.cfg.window))
+        self.ar_times = deque([ar_seconds] if ar_seconds else [], maxlen=max(1, self.cfg.ar_samples))
+        self.trips = self.resumes = 0
+        self.suspended = False
+        self.break_even = None       # alpha* of the last drafting round
+        self.alpha_estimate = None
+        self._failures = 0           # probes in a row that tripped within a window
+        self._since_resume = 0       # drafting rounds since the last (re)start
+        self._ar_left = 0            # AR tokens before the next probe
+        self._accepted = self._proposed = self._spec_rounds = 0   # this call's totals
+        self._ar_needed = 1 if self.ar_times else max(1, self.cfg.ar_first)
+
+    @property
+    def drafting(self) -> bool:
+        return len(self.ar_times) >= self._ar_needed and not self.suspended
+
+    @property
+    def ar_seconds(self):
+        return robust_mean(self.ar_times) if self.ar_times else None
+
+    def round(self, accepted: int, proposed: int, seconds: float):
+        if proposed <= 0:
+            self.ar_times.append(seconds)
+            if self.suspended:
+                self._ar_left -= 1
+                if self._ar_left <= 0:
+                    self.suspended = False
+                    self.resumes += 1
+                    self.window.clear()
+                    self._since_resume = 0
+            return
+        self.window.append((accepted, proposed, seconds))
+        self._spec_rounds += 1
+        self._accepted += accepted
+        self._proposed += proposed
+        self._since_resume += 1
+        if self.ar_times and self._spec_rounds >= self.cfg.first_rounds and self.losing():
+            self._suspend()
+
+    def losing(self) -> bool:
+        """Whether the window's acceptance is below the break-even of its measured cost."""
+        rounds = len(self.window)
+        cost = robust_mean([s for _, _, s in self.window]) / self.ar_seconds   # (k+1)c + v, AR tokens
+        proposed = sum(p for _, p, _ in self.window)
+        k = proposed / rounds
+        accepted = sum(a for a, _, _ in self.window)
+        call_alpha = (self._accepted + k * self.cfg.prior_alpha) / (self._proposed + k)
+        prior = self.cfg.prior_rounds * k
+        self.break_even = (cost * (1.0 - self.cfg.margin) - 1.0) / k
+        self.alpha_estimate = (accepted + prior * call_alpha) / (proposed + prior)
+        return self.alpha_estimate < self.break_even
+
+    def _suspend(self):
+        self._failures = self._failures + 1 if (self.trips and self._since_resume <= self.window.maxlen) else 0
+        self._ar_left = min(self.cfg.backoff_max, self.cfg.backoff * self.cfg.backoff_growth ** min(self._failures, 16))
+        self.suspended = True
+        self.trips += 1
+
+    def stats(self) -> dict:
+        r = (lambda x: None if x is None else round(float(x), 4))
+        return {"governor": self.policy, "break_even_alpha": r(self.break_even),
+                "governor_alpha": r(self.alpha_estimate)}

@@ -21,7 +21,7 @@ import numpy as np
 
 from . import noise
 from . import sampling as smp
-from .governor import Governor, GovernorConfig
+from .governor import GovernorConfig, make_governor
 from .proposer import Proposer
 from .stats import DecodeStats
 from .target import TargetRunner
@@ -99,6 +99,7 @@ class SpeculativeDecoder:
         self.stats = DecodeStats()
         self.output: list = []
         self._forced_carry = 0.0
+        self._ar_seconds = None     # the AR round time the last call's governor measured
 
     def close(self):
         if self.proposer is not None:
@@ -116,7 +117,7 @@ class SpeculativeDecoder:
         max_seq = self.cfg.max_seq
         stop_set = set(int(t) for t in stop_tokens)
         seed = self.seed = noise.seed64(self.params.seed)    # this call's noise stream
-        gov = Governor(self.governor_cfg) if self.mode == "governed" else None
+        gov = make_governor(self.governor_cfg, self.mode, self.params, self._ar_seconds)
         proposer = self.proposer
         st = self.stats = DecodeStats(mode=self.mode, draft=(proposer.name if proposer else "none"),
                                       k=(self.k if proposer else 0), strict=self.strict,
@@ -135,6 +136,7 @@ class SpeculativeDecoder:
         if calibrate and max_tokens > 0:
             st.ar_token_s = self._calibrate_ar(pending)
         self._forced_carry = 0.0
+        behind = False              # rounds the governor skipped left the proposer behind
         t_dec = time.perf_counter()
         try:
             while len(out) < max_tokens:
@@ -142,13 +144,21 @@ class SpeculativeDecoder:
                 if pos >= max_seq:
                     st.stop_reason = "max_seq"
                     break
+                t_round = time.perf_counter()
                 k = self._round_k(pos, max_tokens - len(out))
                 proposal, qs = [], None
                 if k > 0 and (gov is None or gov.drafting):
+                    if behind:      # the catch-up is the probe's cost, not the round's
+                        t_round += self._catch_up(history)
+                        behind = False
                     proposal, qs = self._propose(history, pending, k, seed)
+                else:
+                    behind = behind or k > 0
                 n, correction = self._verify(history, pending, proposal, qs, seed)
-                self._commit(n, len(proposal), gov)
+                self._commit(n, len(proposal))
                 history.extend(([pending] + proposal)[:n + 1])
+                if gov is not None:
+                    gov.round(n, len(proposal), time.perf_counter() - t_round)
                 emitted, stop = self._emitted(proposal[:n] + [correction], stop_set, max_tokens - len(out))
                 out.extend(emitted)
                 st.tokens = len(out)
@@ -172,6 +182,9 @@ class SpeculativeDecoder:
             if proposer is not None:
                 st.draft_forwards = proposer.forwards
                 st.extra.update(proposer.extra_stats())
+            if gov is not None:
+                st.extra.update(gov.stats())
+                self._ar_seconds = gov.ar_seconds or self._ar_seconds
             if st.ar_rounds and st.ar_token_s is None:
                 st.ar_token_s = st.ar_s / st.ar_rounds
         return out
@@ -185,6 +198,14 @@ class SpeculativeDecoder:
         if self.mode != "forced":  # forced keeps K fixed so its ratio is exact
             k = min(k, remaining - 1)
         return k
+
+    def _catch_up(self, history) -> float:
+        """Bring the proposer up to the committed history (timed as draft work)."""
+        ta = time.perf_counter()
+        self.proposer.sync(history)
+        dt = time.perf_counter() - ta
+        self.stats.draft_s += dt
+        return dt
 
     def _propose(self, history, pending, k, seed):
         """Step 1 (timed as draft work)."""
@@ -243,18 +264,14 @@ class SpeculativeDecoder:
         self._forced_carry += self.forced_alpha * m - n
         return n
 
-    def _commit(self, n: int, m: int, gov):
-        """Step 4: n+1 positions in target and proposer; the governor sees the round."""
+    def _commit(self, n: int, m: int):
+        """Step 4: n+1 positions in target and proposer."""
         st = self.stats
         self.target.commit(n + 1)
         if m:
             self.proposer.commit(n + 1)
             st.proposed += m
             st.accepted += n
-            if gov is not None:
-                gov.record(n, m)
-        elif gov is not None and not gov.drafting:
-            gov.ar_tokens(1)
         st.rounds += 1
 
     @staticmethod

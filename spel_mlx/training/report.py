@@ -98,7 +98,7 @@ def alpha_on_heldout(ckpt_path: str, data_dir: str, n_prompts: int = 8, prompt_c
             with open(pf, "w") as f:
                 f.write(lines[i * step][:prompt_chars])
             _, st = _generate(["--checkpoint", ckpt_path, "--prompt-file", pf, "--mode", "spec",
-                               "--temperature", "0", "--spec-k", str(k), "--draft", draft,
+                               "--governor", "off", "--temperature", "0", "--spec-k", str(k), "--draft", draft,
                                "--max-tokens", str(max_tokens)])
             a, p = _accept_counts(st)
             acc += a

@@ -1,0 +1,193 @@
+"""Governors: the cost model's decisions from injected round measurements (no timing),
+which policy a mode runs, and greedy output under any pattern of drafting rounds."""
+import pytest
+
+import spel_mlx  # noqa: F401
+
+from spel_mlx.decoding import GovernorConfig, SpeculativeDecoder, make_proposer
+from spel_mlx.decoding import governor as gv
+from spel_mlx.decoding import loop
+from spel_mlx.decoding import sampling as smp
+from spel_mlx.decoding.mlx_proposer import MLXProposer
+from test_speculative import ToyModel, toy_ar, toy_prompts
+
+AR = 0.001     # one AR round, seconds (the cost model only sees ratios)
+
+
+def feed(g, rounds):
+    """rounds: [(accepted, proposed, cost in AR rounds)]; returns the drafting flag before each."""
+    seen = []
+    for a, p, c in rounds:
+        seen.append(g.drafting)
+        g.round(a, p, c * AR)
+    return seen
+
+
+def useless_call(g, tokens):
+    """Drive a call of `tokens` tokens with a draft that never agrees (rounds cost 2 AR)."""
+    pattern = []
+    for _ in range(tokens):
+        if g.drafting:
+            g.round(0, 4, 2.0 * AR)
+            pattern.append("d")
+        else:
+            g.round(0, 0, AR)
+            pattern.append(".")
+    return "".join(pattern)
+
+
+def test_cost_governor_starts_with_ar_rounds_then_drafts():
+    g = gv.CostGovernor(GovernorConfig(ar_first=2))
+    assert feed(g, [(0, 0, 1.0), (0, 0, 1.0), (4, 4, 2.0)]) == [False, False, True]
+    seeded = gv.CostGovernor(GovernorConfig(ar_first=2), ar_seconds=AR)
+    assert seeded.drafting                      # an AR time from an earlier call suffices
+
+
+def test_cost_governor_break_even_is_the_cost_model():
+    # rounds of K=4 costing 2 AR tokens: alpha* = (2 (1 - margin) - 1) / 4
+    cfg = GovernorConfig(margin=0.1, first_rounds=1)
+    g = gv.CostGovernor(cfg, ar_seconds=AR)
+    feed(g, [(3, 4, 2.0)])
+    assert g.break_even == pytest.approx((2.0 * 0.9 - 1.0) / 4)
+    # the window's acceptance shrinks towards the call's, which shrinks towards prior_alpha
+    call = (3 + 4 * 0.5) / (4 + 4)
+    assert g.alpha_estimate == pytest.approx((3 + 2 * 4 * call) / (4 + 2 * 4))
+    # the same acceptance at a higher cost trips: alpha* = (4 * 0.9 - 1) / 4 = 0.65
+    h = gv.CostGovernor(cfg, ar_seconds=AR)
+    feed(h, [(2, 4, 4.0)])
+    assert not h.drafting and h.trips == 1
+
+
+def test_cost_governor_suspends_a_useless_draft_and_backs_off():
+    cfg = GovernorConfig(first_rounds=2, backoff=16, backoff_growth=4, backoff_max=512)
+    g = gv.CostGovernor(cfg, ar_seconds=AR)
+    pattern = useless_call(g, 400)
+    runs = [len(r) for r in pattern.split("d") if r]
+    drafted = [len(r) for r in pattern.split(".") if r]
+    assert drafted[0] == 2                      # trips once first_rounds are in
+    assert runs == [16, 64, 256, 400 - 2 - 16 - 1 - 64 - 1 - 256 - 1][:len(runs)]
+    assert drafted[1:] == [1] * (len(drafted) - 1)    # a probe of a useless draft: one round
+    assert g.trips == 4 and g.resumes == 3
+    assert pattern.count("d") / len(pattern) < 0.02
+
+
+def test_cost_governor_keeps_a_good_draft_through_bad_rounds():
+    g = gv.CostGovernor(GovernorConfig(), ar_seconds=AR)
+    good = [(4, 4, 2.0)] * 10
+    assert all(feed(g, good + [(0, 4, 2.6), (0, 4, 2.6)] + good))
+    assert g.trips == 0
+    # ... but suspends once its acceptance stays below break-even
+    bad = 0
+    while g.drafting:
+        g.round(0, 4, 2.6 * AR)
+        bad += 1
+    assert 2 < bad <= 8 and g.trips == 1
+
+
+def test_cost_governor_one_slow_round_does_not_trip():
+    g = gv.CostGovernor(GovernorConfig(), ar_seconds=AR)
+    feed(g, [(2, 4, 2.0)] * 7)
+    assert g.drafting
+    feed(g, [(2, 4, 400.0)])                    # stalled: capped at 4x the window's median
+    assert g.drafting and g.trips == 0
+    assert g.break_even == pytest.approx(((7 * 2.0 + 8.0) / 8 * 0.9 - 1) / 4)
+
+
+def test_cost_governor_probe_that_lasts_resets_the_backoff():
+    cfg = GovernorConfig(window=4, first_rounds=1, backoff=8, backoff_growth=2)
+    g = gv.CostGovernor(cfg, ar_seconds=AR)
+    feed(g, [(0, 4, 2.0)])
+    assert not g.drafting
+    feed(g, [(0, 0, 1.0)] * 8)
+    feed(g, [(0, 4, 2.0)])                      # a failed probe: 16 AR tokens next
+    feed(g, [(0, 0, 1.0)] * 15)
+    assert not g.drafting
+    feed(g, [(0, 0, 1.0)])
+    assert g.drafting
+    feed(g, [(4, 4, 2.0)] * 5 + [(0, 4, 2.0)] * 4)  # lasted more than a window, then tripped
+    assert not g.drafting
+    assert feed(g, [(0, 0, 1.0)] * 8) == [False] * 8 and g.drafting   # back to 8
+
+
+def test_cost_governor_ar_reference_is_a_capped_mean():
+    g = gv.CostGovernor(GovernorConfig(ar_samples=4))
+    feed(g, [(0, 0, 9.0), (0, 0, 1.0), (0, 0, 3.0), (0, 0, 1.0), (0, 0, 100.0)])
+    # the last 4 kept; 100 capped at 4x their median (2.0)
+    assert g.ar_seconds == pytest.approx((1.0 + 3.0 + 1.0 + 8.0) / 4 * AR)
+
+
+def test_policy_for_modes_and_sampling():
+    cfg = GovernorConfig()
+    assert cfg.policy_for("spec", smp.GREEDY) == "cost"
+    assert cfg.policy_for("governed", smp.GREEDY) == "original"
+    # residual-rule sampling: where rounds start changes the draws, so no timed governor
+    sampled = smp.SamplingParams(temperature=0.8, seed=1)
+    assert cfg.policy_for("spec", sampled) == "off"
+    assert GovernorConfig(policy="cost").policy_for("spec", sampled) == "cost"
+    assert GovernorConfig(policy="off").policy_for("governed", smp.GREEDY) == "off"
+    with pytest.raises(ValueError, match="policy 'fast'"):
+        GovernorConfig(policy="fast").policy_for("spec")
+    assert gv.make_governor(cfg, "ar") is None and gv.make_governor(cfg, "forced") is None
+    assert isinstance(gv.make_governor(cfg, "spec", smp.GREEDY), gv.CostGovernor)
+    assert isinstance(gv.make_governor(cfg, "governed"), gv.Governor)
+
+
+class ScriptedGovernor:
+    """Drafts on the rounds a pattern says (deterministic): any policy's decisions."""
+
+    policy = "scripted"
+    ar_seconds = None
+
+    def __init__(self, pattern):
+        self.pattern, self.i = pattern, 0
+        self.trips = self.resumes = 0
+
+    @property
+    def drafting(self):
+        return self.pattern[self.i % len(self.pattern)] == "d"
+
+    def round(self, accepted, proposed, seconds):
+        self.i += 1
+
+    def stats(self):
+        return {"governor": self.policy}
+
+
+@pytest.fixture
+def scripted(monkeypatch):
+    def use(pattern):
+        monkeypatch.setattr(loop, "make_governor", lambda *a, **k: ScriptedGovernor(pattern))
+    return use
+
+
+PATTERNS = ["d", ".", "d.", "dd...", "d..d.dd....", "..ddddd.d"]
+
+
+@pytest.mark.parametrize("pattern", PATTERNS)
+def test_any_drafting_pattern_equals_ar(scripted, pattern):
+    scripted(pattern)
+    model = ToyModel(draft_noise=0.3, seed=5)
+    for prompt in toy_prompts(12, 3, seed=2):
+        ref = toy_ar(model, prompt, 40)
+        for K in (1, 4):
+            draft = MLXProposer(model, "draft", ring=K + 1)
+            dec = SpeculativeDecoder(model, draft, "spec", k=K)
+            assert dec.generate(prompt, 40) == ref
+            st = dec.stats
+            assert st.rounds == st.spec_rounds + st.ar_rounds
+            assert (st.spec_rounds == 0) == ("d" not in pattern)
+            # the draft caught up before every proposal: it holds a prefix of the history
+            tc, dc = dec.target.state.committed, draft.state.committed
+            assert dc == tc[:len(dc)]
+
+
+@pytest.mark.parametrize("pattern", ["dd.", "ddd..", "d.dd.."])
+def test_drafting_ahead_under_suspensions_equals_ar(scripted, pattern, shipped_c_run):
+    """A continuation kept by an all-accepted round, then AR rounds: the catch-up drops it."""
+    ck, model, prompt, ref = shipped_c_run
+    draft = make_proposer("c", model, ck.weights, k=4, threads=1, ahead=True)
+    scripted(pattern)
+    dec = SpeculativeDecoder(model, draft, "spec", k=4)
+    assert dec.generate(prompt, 60) == ref
+    assert dec.stats.ar_rounds > 0 and dec.stats.spec_rounds > 0
+    draft.close()
