@@ -181,6 +181,19 @@ def test_any_drafting_pattern_equals_ar(scripted, pattern):
             assert dc == tc[:len(dc)]
 
 
+@pytest.mark.parametrize("pattern", PATTERNS)
+def test_any_drafting_pattern_keeps_coupled_sampling_equal_to_sampled_ar(scripted, pattern):
+    """Coupled sampling, like greedy decoding, does not depend on which rounds draft (so
+    spec's cost governor is its default); the residual rule does (its default is off)."""
+    scripted(pattern)
+    model = ToyModel(draft_noise=0.3, seed=5)
+    params = smp.SamplingParams(temperature=0.9, top_p=0.95, repetition_penalty=1.1, seed=4, accept="coupled")
+    for prompt in toy_prompts(12, 3, seed=3):
+        ref = SpeculativeDecoder(model, None, "ar", params=params).generate(prompt, 40)
+        dec = SpeculativeDecoder(model, MLXProposer(model, "draft", ring=5), "spec", k=4, params=params)
+        assert dec.generate(prompt, 40) == ref
+
+
 @pytest.mark.parametrize("pattern", ["dd.", "ddd..", "d.dd.."])
 def test_drafting_ahead_under_suspensions_equals_ar(scripted, pattern, shipped_c_run):
     """A continuation kept by an all-accepted round, then AR rounds: the catch-up drops it."""

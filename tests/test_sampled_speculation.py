@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import spel_mlx  # noqa: F401
-from spel_mlx.decoding import SpeculativeDecoder, make_proposer
+from spel_mlx.decoding import GovernorConfig, SpeculativeDecoder, make_proposer
 from spel_mlx.decoding import sampling as smp
 from spel_mlx.decoding.c_proposer import CDraftAheadProposer
 from spel_mlx.decoding.mlx_proposer import MLXProposer
@@ -21,6 +21,7 @@ from spel_mlx.native import clib
 from test_sampling import pooled_chi2
 from test_speculative import N_REAL, ToyModel, _ar, tiny  # noqa: F401  (tiny: a fixture)
 
+RAW = GovernorConfig(policy="off")     # every round drafts: the most rounds under test
 PARAMS = smp.SamplingParams(temperature=1.0, top_p=0.95, repetition_penalty=1.2, repetition_window=8)
 PROMPT = [1, 2]
 LENGTH = 6
@@ -87,7 +88,7 @@ def toy_decoder(accept: str, proposer=MLXProposer, draft_noise=0.7, **kw):
     model = ToyModel(V=5, draft_noise=draft_noise, seed=8, sharp=1.0)
     params = smp.SamplingParams(**{**PARAMS.__dict__, "accept": accept})
     draft = proposer(model, "draft", ring=5) if proposer is MLXProposer else proposer(model, ring=6, **kw)
-    return model, SpeculativeDecoder(model, draft, "spec", k=4, params=params)
+    return model, SpeculativeDecoder(model, draft, "spec", k=4, params=params, governor=RAW)
 
 
 @pytest.mark.parametrize("accept,proposer,noise", [("coupled", MLXProposer, 0.7), ("residual", MLXProposer, 0.7),
@@ -155,7 +156,8 @@ def test_toy_coupled_spec_equals_sampled_ar(K):
         params = _with_seed(CASES[i % len(CASES)], 100 + i)
         prompt = rng.integers(0, 12, int(rng.integers(1, 9))).tolist()
         ref = SpeculativeDecoder(model, None, "ar", params=params).generate(prompt, 30)
-        dec = SpeculativeDecoder(model, MLXProposer(model, "draft", ring=K + 1), "spec", k=K, params=params)
+        dec = SpeculativeDecoder(model, MLXProposer(model, "draft", ring=K + 1), "spec", k=K, params=params,
+                                 governor=RAW)
         assert dec.generate(prompt, 30) == ref, (K, i)
         accepted += dec.stats.accepted
     assert accepted > 0
@@ -180,7 +182,7 @@ def test_real_coupled_spec_equals_sampled_ar(tiny, ahead):  # noqa: F811
             params = _with_seed(CASES[(i + K) % len(CASES)], 7 * i + K)
             strict = i % 2 == 0
             ref = SpeculativeDecoder(tiny.model, None, "ar", params=params, strict=strict).generate(prompt, N_REAL)
-            dec = SpeculativeDecoder(tiny.model, draft, "spec", k=K, params=params, strict=strict)
+            dec = SpeculativeDecoder(tiny.model, draft, "spec", k=K, params=params, strict=strict, governor=RAW)
             assert dec.generate(prompt, N_REAL) == ref, (K, i, ahead)
             hits += dec.stats.extra.get("ahead_hits", 0)
             stop = ref[N_REAL // 2]
@@ -190,7 +192,7 @@ def test_real_coupled_spec_equals_sampled_ar(tiny, ahead):  # noqa: F811
             prompt = (tiny.prompts[-1] * 3)[:plen]
             params = _with_seed(CASES[0], plen)
             ref = SpeculativeDecoder(tiny.model, None, "ar", params=params, strict=True).generate(prompt, 100)
-            dec = SpeculativeDecoder(tiny.model, draft, "spec", k=K, params=params, strict=True)
+            dec = SpeculativeDecoder(tiny.model, draft, "spec", k=K, params=params, strict=True, governor=RAW)
             assert dec.generate(prompt, 100) == ref and dec.stats.stop_reason == "max_seq"
         draft.close()
     assert hits > 0 or not ahead
@@ -210,7 +212,7 @@ def test_shipped_model_sampled_defaults():
     for accept in smp.ACCEPT_RULES:
         params = smp.SamplingParams(temperature=0.7, top_p=0.95, repetition_penalty=1.1, seed=3, accept=accept)
         ref = SpeculativeDecoder(model, None, "ar", params=params).generate(prompt, 80)
-        dec = SpeculativeDecoder(model, draft, "spec", k=4, params=params)
+        dec = SpeculativeDecoder(model, draft, "spec", k=4, params=params, governor=RAW)
         out = dec.generate(prompt, 80)
         assert dec.stats.extra["ahead_hits"] > 0 and dec.stats.alpha > 0.3
         if accept == "coupled":
