@@ -388,9 +388,9 @@ def test_sub_block_shape_errors(ops):
     with pytest.raises(ValueError, match=r"wqkv \[d -> 3\*H\*hd\]"):
         E.attn_qkv(h, norm, mx.zeros((1, 8, 12)), mx.array(0, mx.int32), mx.zeros((16, 2)), mx.zeros((16, 2)), 2,
                    1e-5)
-    with pytest.raises(ValueError, match="window"):
-        E.attn_out(h, mx.zeros((2, 2, 4)), mx.zeros((16, 2, 4)), mx.zeros((16, 2, 4)), mx.array(0, mx.int32),
-                   mx.zeros((1, 8, 8)), 17)
+    with pytest.raises(ValueError, match=r"caches \[S, H, hd\]"):
+        E.attn_out(h, mx.zeros((2, 2, 4)), mx.zeros((16, 2, 4)), mx.zeros((16, 3, 4)), mx.array(0, mx.int32),
+                   mx.zeros((1, 8, 8)))
 
 
 def test_portable_build_compiles():

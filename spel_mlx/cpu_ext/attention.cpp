@@ -15,44 +15,38 @@
 namespace spel {
 namespace {
 
-// Row r of a [R, H, hd]-shaped array for head h as a contiguous hd-vector:
-// a pointer into the array when its last stride is 1, else gathered into buf.
-inline const float* head_row(const View& v, int64_t r, int64_t h, int64_t hd, float* buf) {
-  if (v.s[2] == 1) return v.p + r * v.s[0] + h * v.s[1];
-  for (int64_t j = 0; j < hd; j++) buf[j] = v.at(r, h, j);
-  return buf;
+// A [R, H, hd] array whose elements are contiguous per (row, head) as (pointer, row
+// stride, head stride), else the first `rows` rows copied contiguous into buf.
+inline const float* head_rows(const View& a, int64_t rows, int64_t H, int64_t hd, std::vector<float>& buf,
+                              int64_t& row_stride, int64_t& head_stride) {
+  if (a.s[2] == 1 || hd == 1) {
+    row_stride = a.s[0];
+    head_stride = a.s[1];
+    return a.p;
+  }
+  buf.resize(rows * H * hd);
+  for (int64_t r = 0; r < rows; r++)
+    for (int64_t h = 0; h < H; h++)
+      for (int64_t j = 0; j < hd; j++) buf[(r * H + h) * hd + j] = a.at(r, h, j);
+  row_stride = H * hd;
+  head_stride = hd;
+  return buf.data();
 }
 
 // o [M,H,hd]: query m (position pos0+m) against cache rows 0..min(pos0+m, W-1)
+// (attend_blocked.cpp); W is the cache's row count, whatever its capacity
 void attend_body(const View& Q, const View& Kc, const View& Vc, int64_t M, int64_t H, int64_t hd, int64_t W,
                  int64_t pos0, float* O) {
-  const float scale = std::sqrt(static_cast<float>(hd));
-  std::vector<float> p(W), qb(hd), kb(hd), vb(hd), acc(hd);
-  for (int64_t m = 0; m < M; m++) {
-    int64_t n = pos0 + m + 1;                                          // visible keys
-    if (n > W) n = W;
-    for (int64_t h = 0; h < H; h++) {
-      const float* qt = head_row(Q, m, h, hd, qb.data());
-      float top = -INFINITY;
-      for (int64_t w = 0; w < n; w++) {
-        p[w] = dot(head_row(Kc, w, h, hd, kb.data()), qt, hd) * scale;
-        if (p[w] > top) top = p[w];
-      }
-      float den = 0.0f;
-      for (int64_t w = 0; w < n; w++) {
-        p[w] = std::exp(p[w] - top);
-        den += p[w];
-      }
-      for (int64_t j = 0; j < hd; j++) acc[j] = 0.0f;
-      for (int64_t w = 0; w < n; w++) {
-        const float* vr = head_row(Vc, w, h, hd, vb.data());
-        const float pw = p[w];
-        for (int64_t j = 0; j < hd; j++) acc[j] += pw * vr[j];
-      }
-      const float inv = 1.0f / den;
-      for (int64_t j = 0; j < hd; j++) O[(m * H + h) * hd + j] = acc[j] * inv;
-    }
-  }
+  std::vector<float> qb(M * H * hd), kb, vb;
+  for (int64_t m = 0; m < M; m++)
+    for (int64_t h = 0; h < H; h++)
+      for (int64_t j = 0; j < hd; j++) qb[(m * H + h) * hd + j] = Q.at(m, h, j);
+  AttendArgs A{qb.data(), nullptr, nullptr, 0, 0, 0, 0, M, H, hd, pos0, W,
+               static_cast<float>(std::sqrt(static_cast<double>(hd)) * 1.4426950408889634)};
+  const int64_t rows = A.visible(M - 1);
+  A.K = head_rows(Kc, rows, H, hd, kb, A.k_row, A.k_head);
+  A.V = head_rows(Vc, rows, H, hd, vb, A.v_row, A.v_head);
+  attend_rows(A, O);
 }
 
 class SpelAttend : public CpuPrimitive {
@@ -105,12 +99,16 @@ void attn_qkv_body(const std::vector<mx::array>& in, std::vector<mx::array>& out
 }
 
 // in: x [M,d], q [M,H,hd], k_cache, v_cache [S,H,hd] (this batch written), pos0, wo
-// blocks; out: x + wo(attention over the first `window` cache rows)
-void attn_out_body(const std::vector<mx::array>& in, std::vector<mx::array>& out, int window) {
+// blocks; out: x + wo(attention over the cache rows 0 .. pos0+m of each query m)
+void attn_out_body(const std::vector<mx::array>& in, std::vector<mx::array>& out) {
   const int64_t M = in[0].shape(0), d = in[0].shape(1), H = in[1].shape(1), hd = in[1].shape(2);
   std::vector<float> xb, o(M * H * hd), y(M * d);
   const float* x = contiguous_2d(in[0], xb);
-  attend_body(View(in[1]), View(in[2]), View(in[3]), M, H, hd, window, in[4].data<int32_t>()[0], o.data());
+  {
+    ProfScope prof(P_ATTEND);   // inside the block's own time
+    attend_body(View(in[1]), View(in[2]), View(in[3]), M, H, hd, in[2].shape(0), in[4].data<int32_t>()[0],
+                o.data());
+  }
   linear_into(o.data(), M, in[5], y.data());
   float* xo = out[0].data<float>();
   for (int64_t i = 0; i < M * d; i++) xo[i] = x[i] + y[i];
@@ -119,17 +117,16 @@ void attn_out_body(const std::vector<mx::array>& in, std::vector<mx::array>& out
 class SpelAttnBlock : public ParamPrimitive {
  public:
   enum Kind { QKV, OUT };
-  SpelAttnBlock(mx::Stream s, Kind kind, float eps, int window) : ParamPrimitive(s, P_BLOCK, kind, eps, window) {}
+  SpelAttnBlock(mx::Stream s, Kind kind, float eps) : ParamPrimitive(s, P_BLOCK, kind, eps) {}
   const char* name() const override { return kind_ == QKV ? "SpelAttnQKV" : "SpelAttnOut"; }
 
  protected:
   Task task() const override {
-    return [kind = kind_, eps = eps_, window = window_](const std::vector<mx::array>& ins,
-                                                         std::vector<mx::array>& outs) {
+    return [kind = kind_, eps = eps_](const std::vector<mx::array>& ins, std::vector<mx::array>& outs) {
       if (kind == QKV)
         attn_qkv_body(ins, outs, eps);
       else
-        attn_out_body(ins, outs, window);
+        attn_out_body(ins, outs);
     };
   }
 };
@@ -166,12 +163,12 @@ std::vector<mx::array> attn_qkv(const mx::array& x, const mx::array& norm, const
   if (H < 1 || norm.shape(0) != d || sin.shape() != cos.shape() || wqkv.shape(0) * wqkv.shape(2) != 3 * H * hd)
     throw std::invalid_argument("attn_qkv: expected norm [d], cos and sin [S, hd/2], wqkv [d -> 3*H*hd] for x [M, d]");
   return mx::array::make_arrays({{M, H, hd}, {M, H, hd}, {M, H, hd}}, {mx::float32, mx::float32, mx::float32},
-                                std::make_shared<SpelAttnBlock>(cpu_stream(), SpelAttnBlock::QKV, eps, 0),
+                                std::make_shared<SpelAttnBlock>(cpu_stream(), SpelAttnBlock::QKV, eps),
                                 {x, norm, wqkv, pos0, cos, sin});
 }
 
 mx::array attn_out(const mx::array& x, const mx::array& q, const mx::array& k_cache, const mx::array& v_cache,
-                   const mx::array& pos0, const mx::array& wo, int window) {
+                   const mx::array& pos0, const mx::array& wo) {
   check_f32(x, "attn_out", "x", 2);
   check_f32(q, "attn_out", "q", 3);
   check_f32(k_cache, "attn_out", "k_cache", 3);
@@ -182,9 +179,8 @@ mx::array attn_out(const mx::array& x, const mx::array& q, const mx::array& k_ca
   if (k_cache.shape() != v_cache.shape() || k_cache.shape(1) != H || k_cache.shape(2) != hd ||
       q.shape(0) != x.shape(0) || wo.shape(0) * wo.shape(2) != x.shape(1))
     throw std::invalid_argument("attn_out: expected q [M, H, hd], caches [S, H, hd], wo [H*hd -> d] for x [M, d]");
-  if (window < 1 || window > k_cache.shape(0)) throw std::invalid_argument("attn_out: window must be in [1, S]");
   return mx::array(x.shape(), mx::float32,
-                   std::make_shared<SpelAttnBlock>(cpu_stream(), SpelAttnBlock::OUT, 0.0f, window),
+                   std::make_shared<SpelAttnBlock>(cpu_stream(), SpelAttnBlock::OUT, 0.0f),
                    {x, q, k_cache, v_cache, pos0, wo});
 }
 

@@ -28,12 +28,14 @@ NB_MODULE(_spel_cpu, m) {
   m.def("attn_qkv", &attn_qkv, nb::arg("x"), nb::arg("norm"), nb::arg("wqkv"), nb::arg("pos0"), nb::arg("cos"),
         nb::arg("sin"), nb::arg("n_heads"), nb::arg("eps"));
   m.def("attn_out", &attn_out, nb::arg("x"), nb::arg("q"), nb::arg("k_cache"), nb::arg("v_cache"), nb::arg("pos0"),
-        nb::arg("wo"), nb::arg("window"));
+        nb::arg("wo"));
   m.def("fma_chain_linear", &fma_chain_linear,
         "True when linear products are per-element FMA chains (independent of the row count)");
   m.def("set_linear", &set_linear, nb::arg("mode"), "The linear product: auto, reference or blas; returns the old one");
   m.def("simd", &simd, "The SIMD variant the primitives use (\"avx512\", \"avx2\" or \"none\")");
   m.def("set_simd", &set_simd, nb::arg("enable"), "Allow (default) or forbid the SIMD variants; returns the old setting");
+  m.def("set_simd_level", &set_simd_level, nb::arg("level"),
+        "The widest SIMD variant allowed (none, avx2, avx512; default avx512); returns the old level");
   m.def("profile", &profile, nb::arg("enable"),
         "Time the primitives' bodies (enable); returns and resets {kind: (calls, seconds)}");
   m.def("attend", &attend, nb::arg("q"), nb::arg("k_cache"), nb::arg("v_cache"), nb::arg("pos0"));

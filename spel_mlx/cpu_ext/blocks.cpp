@@ -37,8 +37,11 @@ void gdn_body(const std::vector<mx::array>& in, std::vector<mx::array>& out, flo
   rms_rows(x, contiguous_1d(in[1], wb), xn.data(), M, d, eps);
   conv_body(View(xn.data(), d, 1), View(in[2]), View(in[3]), M, d, u.data(), out[2].data<float>());
   linear_into(u.data(), M, in[4], qkv.data());
-  gdn_delta_body(View(qkv.data(), 3 * inner, 1), View(in[5]), View(in[6]), View(in[7]), M, H, hd, o.data(),
-                 out[1].data<float>(), out[3].data<float>(), out[4].data<float>());
+  {
+    ProfScope prof(P_DELTA);   // inside the block's own time
+    gdn_delta_body(View(qkv.data(), 3 * inner, 1), View(in[5]), View(in[6]), View(in[7]), M, H, hd, o.data(),
+                   out[1].data<float>(), out[3].data<float>(), out[4].data<float>());
+  }
   linear_into(o.data(), M, in[8], y.data());
   float* xo = out[0].data<float>();
   for (int64_t i = 0; i < M * d; i++) xo[i] = x[i] + y[i];

@@ -19,7 +19,7 @@ const bool HAVE_AVX512 = __builtin_cpu_supports("avx512f");
 const bool HAVE_AVX2 = false;
 const bool HAVE_AVX512 = false;
 #endif
-std::atomic<bool> simd_allowed{true};
+std::atomic<int> simd_allowed{2};
 
 namespace {
 
@@ -27,24 +27,24 @@ const char* const PROF_NAMES[P_KINDS] = {"linear", "conv", "delta", "attend", "r
 std::atomic<bool> prof_on{false};
 std::atomic<int64_t> prof_ns[P_KINDS], prof_calls[P_KINDS];
 
-struct ProfScope {
-  ProfKind kind;
-  bool on;
-  std::chrono::steady_clock::time_point t0;
-  explicit ProfScope(ProfKind k) : kind(k), on(prof_on.load(std::memory_order_relaxed)) {
-    if (on) t0 = std::chrono::steady_clock::now();
-  }
-  ~ProfScope() {
-    if (!on) return;
-    auto ns = std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - t0);
-    prof_ns[kind] += ns.count();
-    prof_calls[kind] += 1;
-  }
-};
-
 void alloc(mx::array& out) { out.set_data(mx::allocator::malloc(out.nbytes())); }
 
+int64_t now_ns() {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(
+             std::chrono::steady_clock::now().time_since_epoch()).count();
+}
+
 }  // namespace
+
+ProfScope::ProfScope(ProfKind kind) : kind_(kind), on_(prof_on.load(std::memory_order_relaxed)) {
+  if (on_) t0_ = now_ns();
+}
+
+ProfScope::~ProfScope() {
+  if (!on_) return;
+  prof_ns[kind_] += now_ns() - t0_;
+  prof_calls[kind_] += 1;
+}
 
 void CpuPrimitive::eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) {
   throw std::runtime_error(std::string(name()) + ": CPU only");
@@ -111,9 +111,13 @@ std::map<std::string, std::pair<int64_t, double>> profile(bool enable) {
 
 std::string simd() { return use_avx512() ? "avx512" : (use_avx2() ? "avx2" : "none"); }
 
-bool set_simd(bool enable) {
-  bool was = simd_allowed.exchange(enable);
-  return was;
+bool set_simd(bool enable) { return simd_allowed.exchange(enable ? 2 : 0) > 0; }
+
+std::string set_simd_level(const std::string& level) {
+  static const char* names[3] = {"none", "avx2", "avx512"};
+  for (int i = 0; i < 3; i++)
+    if (level == names[i]) return names[simd_allowed.exchange(i)];
+  throw std::invalid_argument("set_simd_level: expected none, avx2 or avx512, not " + level);
 }
 
 }  // namespace spel

@@ -39,12 +39,25 @@ namespace mx = mlx::core;
 namespace spel {
 
 extern const bool HAVE_AVX2, HAVE_AVX512;
-extern std::atomic<bool> simd_allowed;   // set_simd(False): the scalar references (tests)
-inline bool use_avx2() { return HAVE_AVX2 && simd_allowed.load(std::memory_order_relaxed); }
-inline bool use_avx512() { return HAVE_AVX512 && simd_allowed.load(std::memory_order_relaxed); }
+// the widest variant allowed: 2 AVX-512, 1 AVX2, 0 the scalar references (tests:
+// set_simd(False), set_simd_level("avx2") on an AVX-512 machine)
+extern std::atomic<int> simd_allowed;
+inline bool use_avx2() { return HAVE_AVX2 && simd_allowed.load(std::memory_order_relaxed) >= 1; }
+inline bool use_avx512() { return HAVE_AVX512 && simd_allowed.load(std::memory_order_relaxed) >= 2; }
 
-// What profile(True) times: the worker-thread bodies, per kind of primitive.
+// What profile(True) times: the worker-thread bodies, per kind of primitive (a scope
+// inside a body counts in both kinds: the attention inside attn_out).
 enum ProfKind { P_LINEAR, P_CONV, P_DELTA, P_ATTEND, P_ROWWISE, P_BLOCK, P_KINDS };
+class ProfScope {
+ public:
+  explicit ProfScope(ProfKind kind);
+  ~ProfScope();
+
+ private:
+  ProfKind kind_;
+  bool on_;
+  int64_t t0_ = 0;
+};
 
 // Element (i, j, k) of a 1- to 3-D array through its strides (in elements).
 struct View {
@@ -77,21 +90,20 @@ class CpuPrimitive : public mx::Primitive {
   ProfKind prof_;
 };
 
-// A primitive with parameters beside its inputs (a variant, an epsilon, a window):
+// A primitive with parameters beside its inputs (a variant, an epsilon):
 // mx.compile merges two nodes of one type with the same inputs only when these agree.
 class ParamPrimitive : public CpuPrimitive {
  public:
-  ParamPrimitive(mx::Stream s, ProfKind prof, int kind, float eps = 0.0f, int window = 0)
-      : CpuPrimitive(s, prof), kind_(kind), eps_(eps), window_(window) {}
+  ParamPrimitive(mx::Stream s, ProfKind prof, int kind, float eps = 0.0f)
+      : CpuPrimitive(s, prof), kind_(kind), eps_(eps) {}
   bool is_equivalent(const mx::Primitive& other) const override {
     auto& o = static_cast<const ParamPrimitive&>(other);
-    return kind_ == o.kind_ && eps_ == o.eps_ && window_ == o.window_;
+    return kind_ == o.kind_ && eps_ == o.eps_;
   }
 
  protected:
   const int kind_;
   const float eps_;
-  const int window_;
 };
 
 mx::Stream cpu_stream();

@@ -23,4 +23,18 @@ void conv_body(const View& X, const View& T, const View& C, int64_t M, int64_t d
 void gdn_delta_body(const View& X, const View& A, const View& B, const View& S0v, int64_t M, int64_t H,
                     int64_t hd, float* O, float* SA, float* Qo, float* Ko);
 
+// attend_blocked.cpp: causal attention of M queries Q [M, H, hd] (contiguous) over the
+// cache rows 0 .. pos0+m of query m (at most `rows`); a row's heads are read through
+// the row and head strides, each head's hd elements contiguous.  O [M, H, hd].
+struct AttendArgs {
+  const float *Q, *K, *V;
+  int64_t k_row, k_head, v_row, v_head;   // strides in elements
+  int64_t M, H, hd, pos0, rows;
+  float c;                                // sqrt(hd) log2(e): scores in log2 units
+  int64_t visible(int64_t m) const { return pos0 + m + 1 < rows ? pos0 + m + 1 : rows; }
+  const float* key(int64_t w, int64_t h) const { return K + w * k_row + h * k_head; }
+  const float* value(int64_t w, int64_t h) const { return V + w * v_row + h * v_head; }
+};
+void attend_rows(const AttendArgs& args, float* O);
+
 }  // namespace spel

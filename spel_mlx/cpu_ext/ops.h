@@ -37,7 +37,7 @@ std::vector<mx::array> attn_qkv(const mx::array& x, const mx::array& norm, const
                                 const mx::array& pos0, const mx::array& cos, const mx::array& sin, int n_heads,
                                 float eps);
 mx::array attn_out(const mx::array& x, const mx::array& q, const mx::array& k_cache, const mx::array& v_cache,
-                   const mx::array& pos0, const mx::array& wo, int window);
+                   const mx::array& pos0, const mx::array& wo);
 
 // blocks.cpp: the FFN and GDN residual sub-blocks as single nodes
 mx::array ffn_block(const mx::array& h, const mx::array& norm, const mx::array& w1, const mx::array& w3,
@@ -51,5 +51,6 @@ std::vector<mx::array> gdn_block(const mx::array& x, const mx::array& norm, cons
 std::map<std::string, std::pair<int64_t, double>> profile(bool enable);
 std::string simd();
 bool set_simd(bool enable);
+std::string set_simd_level(const std::string& level);
 
 }  // namespace spel

@@ -41,6 +41,7 @@ def _pos(pos0):
 
 class CPUFusedOps(MLXOps):
     name = "cpu-fused"
+    windowed = False          # attention reads the rows each query sees, blocked over keys
 
     def __init__(self):
         ok, why = status()
@@ -66,7 +67,7 @@ class CPUFusedOps(MLXOps):
         pos = _pos(cache.pos)
         q, k, v = _spel_cpu.attn_qkv(x, norm.weight, mix[0], pos, cos, sin, cache.keys.shape[1], float(norm.eps))
         cache.write(k, v)
-        return _spel_cpu.attn_out(x, q, cache.keys, cache.values, pos, mix[1], int(cache.window))
+        return _spel_cpu.attn_out(x, q, cache.keys, cache.values, pos, mix[1])
 
     def ffn_block(self, blk, h):
         mlp = self._blocks(h, blk.mlp.w1, blk.mlp.w3, blk.mlp.w2)

@@ -24,6 +24,10 @@ ATTEND_HEAD_MAJOR_MAX = 1024
 class MLXOps:
     name = "mlx-ops"
     requires_eager = False     # True: reads arrays on the host, so passes run uncompiled
+    # True: attend gets the cache's first passes.window(n) rows (its cost grows with the
+    # rows it gets); False: the whole cache, of which it reads only the rows a query
+    # sees, so one compiled pass serves every context length
+    windowed = True
 
     # --- the two residual halves of a layer (SPEC 2) -------------------------------
     def mixer_block(self, blk, x, cache):

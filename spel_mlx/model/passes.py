@@ -1,6 +1,7 @@
 """Decoding passes: one ``mx.compile``d function of a whole stack over M rows.
 
-A pass is compiled per (stack, M, attention window, device).  Its inputs are the
+A pass is compiled per (stack, M, attention window, device); ops that read only the
+cache rows each query sees (``ops.windowed`` False) have no window.  Its inputs are the
 tokens (a pipeline stage after the first: activations), the position of row 0 (an
 int32 scalar, so positions do not retrace), the GDN slot arrays and the full KV
 caches; its outputs the logits (a stage before the last: activations), the states
@@ -44,10 +45,11 @@ class GDNCache:
 
 
 class KVCache:
-    """An attention layer inside a pass: the full K/V caches [max_seq,H,hd]; this
-    batch's rows go in at ``pos``, attention reads the first ``window`` rows."""
+    """An attention layer inside a pass: the full K/V caches [rows,H,hd]; this
+    batch's rows go in at ``pos``, attention reads the first ``window`` rows (all of
+    them when window is None: the ops read only the rows each query sees)."""
 
-    def __init__(self, keys, values, pos, window: int):
+    def __init__(self, keys, values, pos, window: int | None):
         self.keys, self.values, self.pos, self.window = keys, values, pos, window
 
     def write(self, k, v) -> None:
@@ -56,6 +58,8 @@ class KVCache:
 
     def update_and_fetch(self, k, v):
         self.write(k, v)
+        if self.window is None:
+            return self.keys, self.values
         return self.keys[:self.window], self.values[:self.window]
 
 
@@ -65,8 +69,9 @@ def rows(a, M: int) -> list:
     return [a[j:j + 1].reshape(shape) for j in range(M)] if M > 1 else [a.reshape(shape)]
 
 
-def make_pass(model, stack: str, M: int, win: int):
-    """The function of one M-row pass over ``stack`` with attention window ``win``."""
+def make_pass(model, stack: str, M: int, win: int | None):
+    """The function of one M-row pass over ``stack`` with attention window ``win``
+    (None: the whole cache)."""
     ops = model.ops
     layers = model.stack_layers(stack)
     for blk in layers:       # constants built now, captured by the trace
@@ -98,7 +103,7 @@ def run_pass(model, toks, state):
     inputs = toks if isinstance(toks, mx.array) else mx.array(toks, dtype=mx.int32)
     M = inputs.shape[0]
     base = state.pos + state.pending
-    win = window(base + M, model.cfg.max_seq)
+    win = window(base + M, model.cfg.max_seq) if model.ops.windowed else None
     key = (state.stack, M, win, str(mx.default_device()))   # device: row blocks are CPU-only
     fn = model._compiled.get(key)
     if fn is None:

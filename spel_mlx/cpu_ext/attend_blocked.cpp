@@ -1,0 +1,326 @@
+// Causal attention of M queries over a KV cache, blocked over keys with an online
+// softmax (flash-style): each block of BK = 16 cache rows is read once for all M
+// queries, the causal mask is applied inside the block, and exp is the exp-free 2^t
+// polynomial of model.silu_mul.  A scalar reference and AVX-512 / AVX2 variants that
+// do the same float operations in the same order (identical bits; tests compare).
+//
+// Every query walks the same absolute key blocks 0, 16, 32, ... with its own running
+// max, sum and accumulators, so its result does not depend on M or on its row in the
+// batch: a K+1 pass gives each row the bits of the single-token pass.
+//
+// The canonical order, per (query m, head h), of one block [b0, b0 + nb) (nb <= BK):
+//   score of key w: 16 lanes a[l] = fma chain over j of q[16j+l] k_w[16j+l] (lanes past
+//     hd read 0), summed by the halving tree ((a[l] + a[l+8]) + ...), times c =
+//     sqrt(hd) log2(e): scores are in log2 units;
+//   mx = max(m_run, block max); alpha = 2^(m_run - mx); p_w = 2^(s_w - mx) (0 past nb);
+//   lanes[w] = fma(lanes[w], alpha, p_w);
+//   acc[d] = fma(acc[d], alpha, even[d] + odd[d]), even/odd = fma chains over the
+//     block's even / odd keys in order;
+// and at the end o[d] = acc[d] / (halving tree of lanes).
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <vector>
+
+#include "common.h"
+#include "kernels.h"
+
+namespace spel {
+namespace {
+
+constexpr int BK = 16;   // keys per block (one AVX-512 vector of scores)
+
+// 2^f on [0, 1) (the constants of model.silu_mul) and 2^t for t <= 0: floor, the
+// Horner polynomial in fma, the exponent bits; 0 below 2^-64 (and for a NaN).  A key
+// that far below the running max (which contributes 1) changes no sum, and flushing
+// it keeps p * v clear of denormals, which cost ~100 cycles each.
+const float EXP2_FRACTION[7] = {0.00021683440718334168f, 0.0012437936384230852f, 0.009679987095296383f,
+                                0.05548214912414551f, 0.24023030698299408f, 0.6931468844413757f, 1.0f};
+const float LOG2E = 1.4426950408889634f;
+const float EXP2_MIN = -64.0f;
+
+inline float exp2_nonpos(float t) {
+  if (!(t >= EXP2_MIN)) return 0.0f;
+  const float n = std::floor(t);
+  const float f = t - n;
+  float p = EXP2_FRACTION[0];
+  for (int i = 1; i < 7; i++) p = std::fma(p, f, EXP2_FRACTION[i]);
+  union { int32_t i; float f; } two_n;
+  two_n.i = (static_cast<int32_t>(n) + 127) << 23;
+  return p * two_n.f;
+}
+
+inline float halving_sum16(const float* a) {
+  float s8[8], s4[4];
+  for (int l = 0; l < 8; l++) s8[l] = a[l] + a[l + 8];
+  for (int l = 0; l < 4; l++) s4[l] = s8[l] + s8[l + 4];
+  return (s4[0] + s4[2]) + (s4[1] + s4[3]);
+}
+
+// Per-(query, head) running state across blocks: max (log2 units), lanes of the sum, acc.
+struct Running {
+  std::vector<float> m, lanes, acc;
+  void reset(int64_t n, int64_t hd) {
+    m.assign(n, -INFINITY);
+    lanes.assign(n * BK, 0.0f);
+    acc.assign(n * hd, 0.0f);
+  }
+};
+
+// The walk every variant shares: key blocks in order, then heads, then the queries
+// that see the block; block(b0, nb, h, q, m_run, lanes, acc) does one (query, head).
+template <class Block>
+void walk(const AttendArgs& A, Running& R, Block block) {
+  for (int64_t b0 = 0; b0 < A.visible(A.M - 1); b0 += BK)
+    for (int64_t h = 0; h < A.H; h++)
+      for (int64_t m = 0; m < A.M; m++) {
+        const int64_t nb = std::min<int64_t>(BK, A.visible(m) - b0);
+        if (nb <= 0) continue;
+        const int64_t r = m * A.H + h;
+        block(b0, nb, h, A.Q + r * A.hd, R.m[r], R.lanes.data() + r * BK, R.acc.data() + r * A.hd);
+      }
+}
+
+void attend_ref(const AttendArgs& A, Running& R) {
+  const int64_t hd = A.hd, J = (hd + 15) / 16;
+  std::vector<float> even(hd), odd(hd);
+  walk(A, R, [&](int64_t b0, int64_t nb, int64_t h, const float* q, float& m_run, float* lanes, float* acc) {
+    float a[16], s[BK], p[BK];
+    float top = -INFINITY;
+    for (int64_t w = 0; w < nb; w++) {
+      const float* k = A.key(b0 + w, h);
+      for (int l = 0; l < 16; l++) a[l] = l < hd ? q[l] * k[l] : 0.0f;
+      for (int64_t j = 1; j < J; j++)
+        for (int l = 0; l < 16; l++) {
+          const int64_t i = 16 * j + l;
+          a[l] = std::fma(i < hd ? q[i] : 0.0f, i < hd ? k[i] : 0.0f, a[l]);
+        }
+      s[w] = halving_sum16(a) * A.c;
+      top = std::max(top, s[w]);
+    }
+    const float mx = std::max(m_run, top);
+    const float alpha = exp2_nonpos(m_run - mx);
+    m_run = mx;
+    for (int w = 0; w < BK; w++) {
+      p[w] = w < nb ? exp2_nonpos(s[w] - mx) : 0.0f;
+      lanes[w] = std::fma(lanes[w], alpha, p[w]);
+    }
+    for (int64_t d = 0; d < hd; d++) even[d] = odd[d] = 0.0f;
+    for (int64_t w = 0; w < nb; w++) {
+      const float* v = A.value(b0 + w, h);
+      float* e = (w & 1) ? odd.data() : even.data();
+      for (int64_t d = 0; d < hd; d++) e[d] = std::fma(p[w], v[d], e[d]);
+    }
+    for (int64_t d = 0; d < hd; d++) acc[d] = std::fma(acc[d], alpha, even[d] + odd[d]);
+  });
+}
+
+#if SPEL_AVX2
+#define SPEL_TARGET_AVX2_FMA __attribute__((target("avx2,fma")))
+const bool HAVE_FMA = __builtin_cpu_supports("fma");
+
+// --- AVX-512: one vector of 16 scores per block ----------------------------------------
+// The halving tree of 16 keys' lane vectors, folded in as the keys come (no more than
+// a few vectors live): pair1 sums lanes l + (l+8) of keys 2i, 2i+1 (key 2i in lanes
+// 0..7); pair2 then + 4 (chunk c: key 4i+c); pair3 + 2 (chunk c: keys 8i+c, 8i+4+c);
+// last + 1 (lane 4c+i: key c+4i), permuted into key order.
+SPEL_TARGET_AVX512 inline __m512 pair1(__m512 a, __m512 b) {
+  return _mm512_add_ps(_mm512_shuffle_f32x4(a, b, 0x44), _mm512_shuffle_f32x4(a, b, 0xEE));
+}
+SPEL_TARGET_AVX512 inline __m512 pair2(__m512 a, __m512 b) {
+  return _mm512_add_ps(_mm512_shuffle_f32x4(a, b, 0x88), _mm512_shuffle_f32x4(a, b, 0xDD));
+}
+SPEL_TARGET_AVX512 inline __m512 pair3(__m512 a, __m512 b) {
+  return _mm512_add_ps(_mm512_shuffle_ps(a, b, 0x44), _mm512_shuffle_ps(a, b, 0xEE));
+}
+SPEL_TARGET_AVX512 inline __m512 last_pair(__m512 a, __m512 b) {
+  const __m512 r = _mm512_add_ps(_mm512_shuffle_ps(a, b, 0x88), _mm512_shuffle_ps(a, b, 0xDD));
+  return _mm512_permutexvar_ps(_mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15), r);
+}
+
+SPEL_TARGET_AVX512 inline __m512 exp2_nonpos16(__m512 t) {
+  const __mmask16 live = _mm512_cmp_ps_mask(t, _mm512_set1_ps(EXP2_MIN), _CMP_GE_OQ);
+  t = _mm512_max_ps(_mm512_set1_ps(EXP2_MIN), t);
+  const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_sub_ps(t, n);
+  __m512 p = _mm512_set1_ps(EXP2_FRACTION[0]);
+  for (int i = 1; i < 7; i++) p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(EXP2_FRACTION[i]));
+  const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvttps_epi32(n), _mm512_set1_epi32(127)), 23);
+  return _mm512_maskz_mul_ps(live, p, _mm512_castsi512_ps(e));
+}
+
+// hd in J 16-lane chunks, the last one masked by `tail`
+template <int J>
+SPEL_TARGET_AVX512 void attend_avx512(const AttendArgs& A, Running& R) {
+  const __mmask16 tail = static_cast<__mmask16>(A.hd % 16 ? (1u << (A.hd % 16)) - 1 : 0xFFFF);
+  auto mask = [tail](int j) { return j == J - 1 ? tail : static_cast<__mmask16>(0xFFFF); };
+  walk(A, R, [&](int64_t b0, int64_t nb, int64_t h, const float* q, float& m_run, float* lanes, float* acc)
+                 SPEL_TARGET_AVX512 {
+    __m512 qv[J];
+#pragma GCC unroll 8
+    for (int j = 0; j < J; j++) qv[j] = _mm512_maskz_loadu_ps(mask(j), q + 16 * j);
+    auto key_lanes = [&](int w) SPEL_TARGET_AVX512 {   // zeros past nb: never read
+      if (w >= nb) return _mm512_setzero_ps();
+      const float* k = A.key(b0 + w, h);
+      __m512 a = _mm512_mul_ps(qv[0], _mm512_maskz_loadu_ps(mask(0), k));
+#pragma GCC unroll 8
+      for (int j = 1; j < J; j++) a = _mm512_fmadd_ps(qv[j], _mm512_maskz_loadu_ps(mask(j), k + 16 * j), a);
+      return a;
+    };
+    auto quad = [&](int w) SPEL_TARGET_AVX512 {
+      return pair2(pair1(key_lanes(w), key_lanes(w + 1)), pair1(key_lanes(w + 2), key_lanes(w + 3)));
+    };
+    const __m512 sums = last_pair(pair3(quad(0), quad(4)), pair3(quad(8), quad(12)));
+    const __mmask16 live = static_cast<__mmask16>(nb == BK ? 0xFFFF : (1u << nb) - 1);
+    const __m512 s = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), live, _mm512_mul_ps(sums, _mm512_set1_ps(A.c)));
+    const float mx = std::max(m_run, _mm512_reduce_max_ps(s));
+    const __m512 al = _mm512_set1_ps(exp2_nonpos(m_run - mx));
+    m_run = mx;
+    const __m512 pv = _mm512_maskz_mov_ps(live, exp2_nonpos16(_mm512_sub_ps(s, _mm512_set1_ps(mx))));
+    _mm512_storeu_ps(lanes, _mm512_fmadd_ps(_mm512_loadu_ps(lanes), al, pv));
+    alignas(64) float p[BK];
+    _mm512_store_ps(p, pv);
+    __m512 e[J], o[J];
+#pragma GCC unroll 8
+    for (int j = 0; j < J; j++) e[j] = o[j] = _mm512_setzero_ps();
+#pragma GCC unroll 16
+    for (int w = 0; w < BK; w++) {
+      if (w >= nb) break;
+      const float* v = A.value(b0 + w, h);
+      const __m512 pw = _mm512_set1_ps(p[w]);
+      __m512* x = (w & 1) ? o : e;
+#pragma GCC unroll 8
+      for (int j = 0; j < J; j++) x[j] = _mm512_fmadd_ps(pw, _mm512_maskz_loadu_ps(mask(j), v + 16 * j), x[j]);
+    }
+#pragma GCC unroll 8
+    for (int j = 0; j < J; j++)
+      _mm512_mask_storeu_ps(acc + 16 * j, mask(j), _mm512_fmadd_ps(_mm512_maskz_loadu_ps(mask(j), acc + 16 * j), al,
+                                                                   _mm512_add_ps(e[j], o[j])));
+  });
+}
+
+// --- AVX2 + FMA (hd a multiple of 16): the 16 lanes as two 8-lane halves ----------------
+// The halving tree of 8 keys' s8 vectors (lanes l + (l+8) already summed):
+// + 4 (pairs of keys), + 2, + 1 (lane order 0 2 4 6 1 3 5 7), into key order.
+SPEL_TARGET_AVX2_FMA inline __m256 quad_sum8(__m256 a, __m256 b) {
+  return _mm256_add_ps(_mm256_permute2f128_ps(a, b, 0x20), _mm256_permute2f128_ps(a, b, 0x31));
+}
+SPEL_TARGET_AVX2_FMA inline __m256 pair_sum8(__m256 a, __m256 b) {
+  return _mm256_add_ps(_mm256_shuffle_ps(a, b, 0x44), _mm256_shuffle_ps(a, b, 0xEE));
+}
+SPEL_TARGET_AVX2_FMA inline __m256 last_sum8(__m256 a, __m256 b) {
+  const __m256 r = _mm256_add_ps(_mm256_shuffle_ps(a, b, 0x88), _mm256_shuffle_ps(a, b, 0xDD));
+  return _mm256_permutevar8x32_ps(r, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+}
+
+SPEL_TARGET_AVX2_FMA inline __m256 exp2_nonpos8(__m256 t) {
+  const __m256 live = _mm256_cmp_ps(t, _mm256_set1_ps(EXP2_MIN), _CMP_GE_OQ);
+  t = _mm256_max_ps(_mm256_set1_ps(EXP2_MIN), t);
+  const __m256 n = _mm256_floor_ps(t);
+  const __m256 f = _mm256_sub_ps(t, n);
+  __m256 p = _mm256_set1_ps(EXP2_FRACTION[0]);
+  for (int i = 1; i < 7; i++) p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(EXP2_FRACTION[i]));
+  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvttps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_and_ps(live, _mm256_mul_ps(p, _mm256_castsi256_ps(e)));
+}
+
+SPEL_TARGET_AVX2_FMA inline float max8(__m256 v) {
+  __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+  return std::max(_mm_cvtss_f32(m), _mm_cvtss_f32(_mm_shuffle_ps(m, m, 1)));
+}
+
+template <int J>
+SPEL_TARGET_AVX2_FMA void attend_avx2(const AttendArgs& A, Running& R) {
+  walk(A, R, [&](int64_t b0, int64_t nb, int64_t h, const float* q, float& m_run, float* lanes, float* acc)
+                 SPEL_TARGET_AVX2_FMA {
+    auto s8_of = [&](int w) SPEL_TARGET_AVX2_FMA {   // key w's lanes l + (l+8); zeros past nb
+      if (w >= nb) return _mm256_setzero_ps();
+      const float* k = A.key(b0 + w, h);
+      __m256 lo = _mm256_mul_ps(_mm256_loadu_ps(q), _mm256_loadu_ps(k));
+      __m256 hi = _mm256_mul_ps(_mm256_loadu_ps(q + 8), _mm256_loadu_ps(k + 8));
+#pragma GCC unroll 8
+      for (int j = 1; j < J; j++) {
+        lo = _mm256_fmadd_ps(_mm256_loadu_ps(q + 16 * j), _mm256_loadu_ps(k + 16 * j), lo);
+        hi = _mm256_fmadd_ps(_mm256_loadu_ps(q + 16 * j + 8), _mm256_loadu_ps(k + 16 * j + 8), hi);
+      }
+      return _mm256_add_ps(lo, hi);
+    };
+    auto eight = [&](int w) SPEL_TARGET_AVX2_FMA {
+      return last_sum8(pair_sum8(quad_sum8(s8_of(w), s8_of(w + 1)), quad_sum8(s8_of(w + 2), s8_of(w + 3))),
+                       pair_sum8(quad_sum8(s8_of(w + 4), s8_of(w + 5)), quad_sum8(s8_of(w + 6), s8_of(w + 7))));
+    };
+    const __m256 c = _mm256_set1_ps(A.c), ninf = _mm256_set1_ps(-INFINITY);
+    const __m256i idx = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    const __m256 live0 = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(nb)), idx));
+    const __m256 live1 =
+        _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(nb) - 8), idx));
+    const __m256 s0 = _mm256_blendv_ps(ninf, _mm256_mul_ps(eight(0), c), live0);
+    const __m256 s1 = _mm256_blendv_ps(ninf, _mm256_mul_ps(eight(8), c), live1);
+    const float mx = std::max(m_run, max8(_mm256_max_ps(s0, s1)));
+    const __m256 al = _mm256_set1_ps(exp2_nonpos(m_run - mx));
+    m_run = mx;
+    const __m256 mv = _mm256_set1_ps(mx);
+    const __m256 p0 = _mm256_and_ps(live0, exp2_nonpos8(_mm256_sub_ps(s0, mv)));
+    const __m256 p1 = _mm256_and_ps(live1, exp2_nonpos8(_mm256_sub_ps(s1, mv)));
+    _mm256_storeu_ps(lanes, _mm256_fmadd_ps(_mm256_loadu_ps(lanes), al, p0));
+    _mm256_storeu_ps(lanes + 8, _mm256_fmadd_ps(_mm256_loadu_ps(lanes + 8), al, p1));
+    alignas(32) float p[BK];
+    _mm256_store_ps(p, p0);
+    _mm256_store_ps(p + 8, p1);
+    for (int j = 0; j < 2 * J; j++) {   // 8 elements of hd at a time
+      __m256 e = _mm256_setzero_ps(), o = _mm256_setzero_ps();
+      for (int w = 0; w < nb; w++) {
+        __m256& y = (w & 1) ? o : e;
+        y = _mm256_fmadd_ps(_mm256_set1_ps(p[w]), _mm256_loadu_ps(A.value(b0 + w, h) + 8 * j), y);
+      }
+      _mm256_storeu_ps(acc + 8 * j, _mm256_fmadd_ps(_mm256_loadu_ps(acc + 8 * j), al, _mm256_add_ps(e, o)));
+    }
+  });
+}
+
+template <int J>
+bool attend_simd_for(const AttendArgs& A, Running& R) {
+  if (use_avx512()) {
+    attend_avx512<J>(A, R);
+    return true;
+  }
+  if (use_avx2() && HAVE_FMA && A.hd % 16 == 0) {
+    attend_avx2<J>(A, R);
+    return true;
+  }
+  return false;
+}
+
+// hd up to 128 (8 chunks of 16); the model's 64 is 4
+bool attend_simd(const AttendArgs& A, Running& R) {
+  switch ((A.hd + 15) / 16) {
+    case 1: return attend_simd_for<1>(A, R);
+    case 2: return attend_simd_for<2>(A, R);
+    case 3: return attend_simd_for<3>(A, R);
+    case 4: return attend_simd_for<4>(A, R);
+    case 5: return attend_simd_for<5>(A, R);
+    case 6: return attend_simd_for<6>(A, R);
+    case 7: return attend_simd_for<7>(A, R);
+    case 8: return attend_simd_for<8>(A, R);
+    default: return false;
+  }
+}
+#endif
+
+}  // namespace
+
+void attend_rows(const AttendArgs& A, float* O) {
+  static thread_local Running R;
+  R.reset(A.M * A.H, A.hd);
+#if SPEL_AVX2
+  if (!attend_simd(A, R))
+#endif
+    attend_ref(A, R);
+  for (int64_t r = 0; r < A.M * A.H; r++) {
+    const float l = halving_sum16(R.lanes.data() + r * BK);
+    for (int64_t d = 0; d < A.hd; d++) O[r * A.hd + d] = R.acc[r * A.hd + d] / l;
+  }
+}
+
+}  // namespace spel

@@ -1,0 +1,103 @@
+"""The blocked online-softmax attention of the fused CPU module (cpu_ext/attend_blocked.cpp):
+its SIMD variants against the scalar reference bit for bit, a query's result independent
+of the batch it is in, the mask inside the block, and the float64 softmax."""
+import os
+
+import numpy as np
+import pytest
+
+import spel_mlx  # noqa: F401  (BLAS before mlx)
+import mlx.core as mx
+from spel_mlx.model import MLXOps, cpu_ops, l2_normalize
+
+if os.environ.get("SPEL_REQUIRE_CPU_EXT") != "1" and not cpu_ops.available():
+    pytest.skip("spel_mlx._spel_cpu not built: " + cpu_ops.status()[1], allow_module_level=True)
+
+from spel_mlx import _spel_cpu as E  # noqa: E402
+
+SHAPES = [  # M, pos0, cache rows, H, hd: partial blocks, hd past and below 16, a long cache
+    (1, 0, 64, 3, 32), (5, 37, 64, 3, 32), (17, 400, 512, 3, 64), (5, 1000, 1100, 4, 64),
+    (3, 20, 40, 2, 30), (2, 5, 16, 2, 8), (9, 3000, 4096, 6, 64), (2, 50, 60, 2, 128), (4, 60, 64, 1, 64)]
+
+
+def _case(M, pos0, W, H, hd, seed=0):
+    rng = np.random.default_rng(seed)
+    q = l2_normalize(mx.array(rng.standard_normal((M, H, hd)).astype(np.float32)))
+    kc = l2_normalize(mx.array(rng.standard_normal((W, H, hd)).astype(np.float32)))
+    vc = mx.array(rng.standard_normal((W, H, hd)).astype(np.float32))
+    return q, kc, vc, mx.array(pos0, dtype=mx.int32)
+
+
+def _attend(q, kc, vc, pos, level="avx512"):
+    old = E.set_simd_level(level)
+    try:
+        return np.asarray(E.attend(q, kc, vc, pos))
+    finally:
+        E.set_simd_level(old)
+
+
+def _float64_attention(q, kc, vc, pos0):
+    q, kc, vc = (np.asarray(t, np.float64) for t in (q, kc, vc))
+    M, H, hd = q.shape
+    out = np.zeros((M, H, hd))
+    for m in range(M):
+        n = pos0 + m + 1
+        s = np.einsum("hd,whd->hw", q[m], kc[:n]) * np.sqrt(hd)
+        p = np.exp(s - s.max(axis=1, keepdims=True))
+        out[m] = np.einsum("hw,whd->hd", p / p.sum(axis=1, keepdims=True), vc[:n])
+    return out
+
+
+@pytest.mark.parametrize("M,pos0,W,H,hd", SHAPES)
+def test_simd_variants_equal_the_scalar_reference(M, pos0, W, H, hd):
+    if E.simd() == "none":
+        pytest.skip("this CPU has no SIMD variant (AVX2)")
+    q, kc, vc, pos = _case(M, pos0, W, H, hd)
+    ref = _attend(q, kc, vc, pos, "none")
+    assert np.abs(ref - _float64_attention(q, kc, vc, pos0)).max() < 2e-6
+    levels = ["avx2", "avx512"] if E.simd() == "avx512" else ["avx2"]
+    for level in levels:                    # avx2 runs hd in multiples of 16, else the reference
+        assert np.array_equal(_attend(q, kc, vc, pos, level), ref), level
+
+
+@pytest.mark.parametrize("level", ["none", "avx2", "avx512"])
+def test_a_query_gets_the_same_bits_in_any_batch(level):
+    """Row m of an M-row call equals a one-row call at position pos0+m, bit for bit:
+    every query walks the same key blocks with its own running state."""
+    if level not in {"none": ["none"], "avx2": ["none", "avx2"], "avx512": ["none", "avx2", "avx512"]}[E.simd()]:
+        pytest.skip(f"this CPU has no {level}")
+    q, kc, vc, pos = _case(17, 203, 256, 3, 64, seed=1)
+    batch = _attend(q, kc, vc, pos, level)
+    for m in range(17):
+        one = _attend(q[m:m + 1], kc, vc, mx.array(203 + m, dtype=mx.int32), level)
+        assert np.array_equal(one[0], batch[m]), m
+
+
+def test_rows_past_a_query_are_never_read():
+    """NaN in every cache row past the last query's position changes nothing, and the
+    cache's capacity does not matter (a longer cache gives the same bits)."""
+    q, kc, vc, pos = _case(5, 45, 64, 2, 64, seed=2)
+    want = _attend(q, kc, vc, pos)
+    nan = mx.full((14, 2, 64), np.nan)
+    kn, vn = (mx.concatenate([c[:50], nan]) for c in (kc, vc))
+    assert np.array_equal(_attend(q, kn, vn, pos), want)
+    longer = [mx.concatenate([c, mx.zeros((960, 2, 64))]) for c in (kc, vc)]
+    assert np.array_equal(_attend(q, *longer, pos), want)
+
+
+def test_matches_mlx_ops_over_a_long_cache():
+    q, kc, vc, pos = _case(5, 3500, 4096, 4, 64, seed=3)
+    want = np.asarray(MLXOps().attend(q, kc, vc, pos, 5))
+    assert np.abs(_attend(q, kc, vc, pos) - want).max() < 1e-5
+
+
+def test_keys_far_below_the_max_contribute_nothing():
+    """Scores more than 64 (log2 units) below the running max are flushed to an exact 0
+    (no denormals); with unnormalized logits that large the float64 softmax agrees."""
+    rng = np.random.default_rng(4)
+    q = mx.array(rng.standard_normal((3, 2, 64)).astype(np.float32) * 4)    # logits up to ~±250
+    kc, vc = (mx.array(rng.standard_normal((100, 2, 64)).astype(np.float32)) for _ in range(2))
+    pos = mx.array(90, dtype=mx.int32)
+    got = _attend(q, kc, vc, pos)
+    assert np.abs(got - _float64_attention(q, kc, vc, 90)).max() < 1e-5
+    assert np.array_equal(_attend(q, kc, vc, pos, "none"), got)
