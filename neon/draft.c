@@ -19,15 +19,17 @@
 
 #define L2_EPS 1e-6f
 
-/* Float-heavy functions get an AVX2 clone on x86-64 glibc (chosen at load by ifunc).
- * With -ffp-contract=off both clones do the same IEEE operations in the same order,
- * so the results are identical; only the vector width differs. */
+/* Float-heavy functions get AVX-512 and AVX2 clones on x86-64 glibc (chosen at load by
+ * ifunc).  With -ffp-contract=off every clone does the same IEEE operations in the same
+ * order, so the results are identical; only the vector width differs. */
 #if defined(__x86_64__) && defined(__GLIBC__) && defined(__GNUC__) && !defined(__clang__) && !defined(SPEL_NO_CLONES)
-#define SPEL_FLOAT_FN __attribute__((target_clones("avx2", "default")))
+#define SPEL_FLOAT_FN __attribute__((target_clones("avx512f", "avx2", "default")))
 #else
 #define SPEL_FLOAT_FN
 #endif
 #define ROWS_CHUNK 256
+#define KEY_BLOCK 256      /* cached positions per pass of attend_queries */
+#define PREFILL_BATCH 64   /* tokens the prefill runs layer by layer */
 #define KV_MIN_ROWS 64   /* first KV allocation; then doubling, at most max_seq */
 #define MAX_WIDTH (1 << 17)   /* d_model, H*hd: q8 dots (127*127*cols) stay exact in int32 */
 
@@ -190,15 +192,17 @@ struct spel_draft {
     char err[256];
     /* one caller at a time: every entry point claims this flag or returns SPEL_BUSY */
     atomic_int in_use;
-    /* the asynchronous proposal (spel_draft_propose_at_async): one native worker,
-     * started on first use; while a request is out (busy) no other call may run */
+    /* the asynchronous request (a proposal, spel_draft_propose_at_async, or a prefill,
+     * spel_draft_prefill_async): one native worker, started on first use; while a
+     * request is out (busy) no other call may run */
     struct {
         pthread_t th;
         pthread_mutex_t mu;
         pthread_cond_t cv;
-        int started, busy, ready, quit, rc, k, start, guess;
+        int started, busy, ready, quit, rc, k, start, guess, prefill;
         int cancel;   /* spel_draft_cancel: stop after the forward in progress (atomic) */
-        int32_t pending, *out;
+        int32_t pending, *out, *tokens;
+        int64_t n_tokens;
     } ahead;
 };
 
@@ -553,8 +557,10 @@ static int reserve_kv(spel_draft *d, dlayer *L, int64_t p) {
 }
 
 /* Attention.  The K cache is stored per head transposed, kcache[h][i][t], so the scores
- * of all cached positions are axpys over t; the V cache is [t][H*hd]. */
-SPEL_FLOAT_FN static int attn_mixer(spel_draft *d, dlayer *L, int64_t p) {
+ * of all cached positions are axpys over t; the V cache is [t][H*hd].
+ * attn_project: token p's q, k (unit, rotated) and v; k and v written to the caches
+ * (grown to hold p), the rotated q left in d->qkv[0, inner). */
+SPEL_FLOAT_FN static int attn_project(spel_draft *d, dlayer *L, int64_t p) {
     const spel_draft_config *c = &d->cfg;
     int dm = c->d_model, H = c->n_heads, hd = c->head_dim, inner = H * hd;
     if (reserve_kv(d, L, p)) return -1;
@@ -576,39 +582,73 @@ SPEL_FLOAT_FN static int attn_mixer(spel_draft *d, dlayer *L, int64_t p) {
         for (int i = 0; i < hd; i++) kc[(size_t)i * T + p] = k[i];
     }
     memcpy(L->vcache + (size_t)p * inner, d->qkv + 2 * inner, 4 * (size_t)inner);
-    const float scale = sqrtf((float)hd);
-    float *sc = d->scores;
-    const int64_t n = p + 1;
-    for (int h = 0; h < H; h++) {
-        const float *q = d->qkv + h * hd;
-        const float *kc = L->kcache + (size_t)h * hd * T;
-        for (int64_t t = 0; t < n; t++) sc[t] = 0.0f;
-        for (int i = 0; i < hd; i++) {
-            const float *col = kc + (size_t)i * T;
-            float qi = q[i];
-            for (int64_t t = 0; t < n; t++) sc[t] += qi * col[t];
-        }
-        float m = -INFINITY;
-        for (int64_t t = 0; t < n; t++) {
-            sc[t] *= scale;
-            if (sc[t] > m) m = sc[t];
-        }
-        float sum = 0.0f;
-        for (int64_t t = 0; t < n; t++) {
-            sc[t] = expf(sc[t] - m);
-            sum += sc[t];
-        }
-        float *o = d->o + h * hd;
-        for (int i = 0; i < hd; i++) o[i] = 0.0f;
-        for (int64_t t = 0; t < n; t++) {
-            const float *vt = L->vcache + (size_t)t * inner + h * hd;
-            float e = sc[t];
-            for (int i = 0; i < hd; i++) o[i] += e * vt[i];
-        }
-        float inv = 1.0f / sum;
-        for (int i = 0; i < hd; i++) o[i] *= inv;
-    }
     return 0;
+}
+
+/* Causal softmax attention of m queries at positions p0.. (query j: Q + j*inner, sees
+ * positions <= p0+j; its scores in S + j*ss) into O + j*inner.  Every query's operations
+ * are those of a lone one in the same order (the score of position t summed over i,
+ * the output over t), so m queries give each the bits of one; the cached rows are read
+ * once for all m (a prompt's prefill), in blocks of KEY_BLOCK positions. */
+SPEL_FLOAT_FN static void attend_queries(spel_draft *d, dlayer *L, int64_t p0, int m, const float *Q, float *O,
+                                         float *S, int64_t ss) {
+    const spel_draft_config *c = &d->cfg;
+    int H = c->n_heads, hd = c->head_dim, inner = H * hd;
+    const int64_t T = L->kv_rows, n_max = p0 + m;
+    const float scale = sqrtf((float)hd);
+    float sums[PREFILL_BATCH];
+    for (int h = 0; h < H; h++) {
+        const float *kc = L->kcache + (size_t)h * hd * T;
+        for (int j = 0; j < m; j++)
+            for (int64_t t = 0; t <= p0 + j; t++) S[(size_t)j * ss + t] = 0.0f;
+        for (int64_t t0 = 0; t0 < n_max; t0 += KEY_BLOCK)
+            for (int i = 0; i < hd; i++) {
+                const float *col = kc + (size_t)i * T;
+                for (int j = 0; j < m; j++) {
+                    float *sc = S + (size_t)j * ss, qi = Q[(size_t)j * inner + h * hd + i];
+                    const int64_t t1 = p0 + j + 1 < t0 + KEY_BLOCK ? p0 + j + 1 : t0 + KEY_BLOCK;
+                    for (int64_t t = t0; t < t1; t++) sc[t] += qi * col[t];
+                }
+            }
+        for (int j = 0; j < m; j++) {
+            float *sc = S + (size_t)j * ss, top = -INFINITY, sum = 0.0f;
+            const int64_t n = p0 + j + 1;
+            for (int64_t t = 0; t < n; t++) {
+                sc[t] *= scale;
+                if (sc[t] > top) top = sc[t];
+            }
+            for (int64_t t = 0; t < n; t++) {
+                sc[t] = expf(sc[t] - top);
+                sum += sc[t];
+            }
+            sums[j] = sum;
+            for (int i = 0; i < hd; i++) O[(size_t)j * inner + h * hd + i] = 0.0f;
+        }
+        for (int64_t t = 0; t < n_max; t++) {
+            const float *vt = L->vcache + (size_t)t * inner + h * hd;
+            for (int j = t > p0 ? (int)(t - p0) : 0; j < m; j++) {
+                float *o = O + (size_t)j * inner + h * hd, e = S[(size_t)j * ss + t];
+                for (int i = 0; i < hd; i++) o[i] += e * vt[i];
+            }
+        }
+        for (int j = 0; j < m; j++) {
+            float *o = O + (size_t)j * inner + h * hd, inv = 1.0f / sums[j];
+            for (int i = 0; i < hd; i++) o[i] *= inv;
+        }
+    }
+}
+
+/* The rest of a layer after its mixer (output in d->o): x += wo o, then the SwiGLU MLP. */
+static void finish_layer(spel_draft *d, dlayer *L, float *x) {
+    const spel_draft_config *c = &d->cfg;
+    int dm = c->d_model, inner = c->n_heads * c->head_dim, ff = c->d_ff;
+    qlinear(d, d->o, inner, &L->wo, d->mix, NULL, NULL);
+    for (int i = 0; i < dm; i++) d->h[i] = x[i] + d->mix[i];
+    rmsnorm(d->h, L->ffn_norm, dm, c->norm_eps, d->xn);
+    qlinear(d, d->xn, dm, &L->w1, d->g1, &L->w3, d->g3);
+    for (int i = 0; i < ff; i++) d->g1[i] = silu(d->g1[i]) * d->g3[i];
+    qlinear(d, d->g1, ff, &L->w2, d->mix, NULL, NULL);
+    for (int i = 0; i < dm; i++) x[i] = d->h[i] + d->mix[i];
 }
 
 /* Token at offset j of the uncommitted batch: GDN reads ring slot read+j, writes
@@ -618,25 +658,56 @@ static int run_token(spel_draft *d, int32_t tok, int j, float *logits) {
     int64_t p = d->pos + j;
     if (tok < 0 || tok >= c->vocab) return fail(d, "token %d out of range 0..%d", tok, c->vocab - 1);
     if (p >= c->max_seq) return fail(d, "position %lld reaches max_seq=%d", (long long)p, c->max_seq);
-    int dm = c->d_model, inner = c->n_heads * c->head_dim, ff = c->d_ff;
+    int dm = c->d_model;
     memcpy(d->x, d->emb + (size_t)tok * dm, 4 * (size_t)dm);
     for (int l = 0; l < c->n_layers; l++) {
         dlayer *L = &d->L[l];
         rmsnorm(d->x, L->attn_norm, dm, c->norm_eps, d->xn);
-        if (L->kind == SPEL_LAYER_GDN) gdn_mixer(d, L, j);
-        else if (attn_mixer(d, L, p)) return -1;
-        qlinear(d, d->o, inner, &L->wo, d->mix, NULL, NULL);
-        for (int i = 0; i < dm; i++) d->h[i] = d->x[i] + d->mix[i];
-        rmsnorm(d->h, L->ffn_norm, dm, c->norm_eps, d->xn);
-        qlinear(d, d->xn, dm, &L->w1, d->g1, &L->w3, d->g3);
-        for (int i = 0; i < ff; i++) d->g1[i] = silu(d->g1[i]) * d->g3[i];
-        qlinear(d, d->g1, ff, &L->w2, d->mix, NULL, NULL);
-        for (int i = 0; i < dm; i++) d->x[i] = d->h[i] + d->mix[i];
+        if (L->kind == SPEL_LAYER_GDN) {
+            gdn_mixer(d, L, j);
+        } else {
+            if (attn_project(d, L, p)) return -1;
+            attend_queries(d, L, p, 1, d->qkv, d->o, d->scores, 0);
+        }
+        finish_layer(d, L, d->x);
     }
     if (!logits) return 0;   /* state only: the FP32 head is ~a third of a token */
     rmsnorm(d->x, d->fnorm, dm, c->norm_eps, d->xn);
     if (c->q8_head) qlinear(d, d->xn, dm, &d->head_q, logits, NULL, NULL);
     else spel_fgemv(d->pool, d->head, c->vocab, dm, d->xn, logits);
+    return 0;
+}
+
+/* m (<= PREFILL_BATCH) prompt tokens at offsets 0.. of a fresh batch, layer by layer (no
+ * logits): each token's operations are run_token's in the same order (GDN slots read+j
+ * -> read+1+j, the same state), but an attention layer attends all m queries in one
+ * pass over the cache.  X [m][d], Q and O [m][inner], S [m][ss] (ss >= pos+m) are the
+ * caller's scratch; m may exceed the ring (the slots are walked in order; prefill
+ * commits all m). */
+static int prefill_tokens(spel_draft *d, const int32_t *tokens, int m, float *X, float *Q, float *O, float *S,
+                          int64_t ss) {
+    const spel_draft_config *c = &d->cfg;
+    int dm = c->d_model, inner = c->n_heads * c->head_dim;
+    for (int j = 0; j < m; j++) memcpy(X + (size_t)j * dm, d->emb + (size_t)tokens[j] * dm, 4 * (size_t)dm);
+    for (int l = 0; l < c->n_layers; l++) {
+        dlayer *L = &d->L[l];
+        for (int j = 0; j < m; j++) {
+            rmsnorm(X + (size_t)j * dm, L->attn_norm, dm, c->norm_eps, d->xn);
+            if (L->kind == SPEL_LAYER_GDN) {
+                gdn_mixer(d, L, j);
+                finish_layer(d, L, X + (size_t)j * dm);
+            } else {
+                if (attn_project(d, L, d->pos + j)) return -1;
+                memcpy(Q + (size_t)j * inner, d->qkv, 4 * (size_t)inner);
+            }
+        }
+        if (L->kind == SPEL_LAYER_GDN) continue;
+        attend_queries(d, L, d->pos, m, Q, O, S, ss);
+        for (int j = 0; j < m; j++) {
+            memcpy(d->o, O + (size_t)j * inner, 4 * (size_t)inner);
+            finish_layer(d, L, X + (size_t)j * dm);
+        }
+    }
     return 0;
 }
 
@@ -686,6 +757,29 @@ static int step(spel_draft *d, int32_t token, float *logits) {
 }
 
 int spel_draft_step(spel_draft *d, int32_t token, float *logits) { GUARDED(d, step(d, token, logits)); }
+
+/* n tokens fed and committed from a committed state: the state spel_draft_forward +
+ * spel_draft_commit leave over ring-sized batches, bit for bit, in batches of
+ * PREFILL_BATCH tokens run layer by layer (runs on the draft's thread: no guard) */
+static int prefill(spel_draft *d, const int32_t *tokens, int64_t n) {
+    const spel_draft_config *c = &d->cfg;
+    size_t inner = (size_t)c->n_heads * c->head_dim, B = PREFILL_BATCH, ss = (size_t)(d->pos + n);
+    float *X = alloc64_raw(4 * B * (size_t)c->d_model), *Q = alloc64_raw(4 * B * inner),
+          *O = alloc64_raw(4 * B * inner), *S = alloc64_raw(4 * B * ss);
+    int rc = X && Q && O && S ? 0 : fail(d, "out of memory (prefill scratch)");
+    for (int64_t i = 0; i < n && rc == 0; i += PREFILL_BATCH) {
+        int m = n - i < PREFILL_BATCH ? (int)(n - i) : PREFILL_BATCH;
+        if ((rc = prefill_tokens(d, tokens + i, m, X, Q, O, S, (int64_t)ss)) == 0) {
+            d->read = (int)((d->read + m) % d->R);
+            __atomic_store_n(&d->pos, d->pos + m, __ATOMIC_RELAXED);
+        }
+    }
+    free(X);
+    free(Q);
+    free(O);
+    free(S);
+    return rc;
+}
 
 /* the request checks of a proposal at offset start (also made before an async one is accepted) */
 static int check_propose(spel_draft *d, int k, int start) {
@@ -766,8 +860,11 @@ static void *ahead_main(void *arg) {
         while (!d->ahead.quit && !(d->ahead.busy && !d->ahead.ready)) pthread_cond_wait(&d->ahead.cv, &d->ahead.mu);
         if (d->ahead.quit) break;
         pthread_mutex_unlock(&d->ahead.mu);
-        ahead_priority(pthread_self(), 1);
-        int rc = propose_at(d, d->ahead.pending, d->ahead.k, d->ahead.start, d->ahead.guess, d->ahead.out);
+        /* a prefill runs beside the target's: at normal priority, it is on the critical path */
+        ahead_priority(pthread_self(), !d->ahead.prefill);
+        int rc = d->ahead.prefill ? prefill(d, d->ahead.tokens, d->ahead.n_tokens)
+                                  : propose_at(d, d->ahead.pending, d->ahead.k, d->ahead.start, d->ahead.guess,
+                                               d->ahead.out);
         pthread_mutex_lock(&d->ahead.mu);
         d->ahead.rc = rc;
         d->ahead.ready = 1;
@@ -787,13 +884,12 @@ static void ahead_stop(spel_draft *d) {
     pthread_cond_destroy(&d->ahead.cv);
     pthread_mutex_destroy(&d->ahead.mu);
     free(d->ahead.out);
+    free(d->ahead.tokens);
+    d->ahead.tokens = NULL;
     d->ahead.started = 0;
 }
 
-static int propose_at_async(spel_draft *d, int32_t pending, int k, int start, int guess) {
-    REFUSE_IF_BUSY(d);
-    /* checked now, so an accepted request can only fail inside run_token */
-    if (check_propose(d, k, start)) return -1;
+static int ahead_start(spel_draft *d) {
     if (!d->ahead.started) {
         d->ahead.out = malloc(sizeof(int32_t) * ((size_t)d->R + 1));
         if (!d->ahead.out) return fail(d, "out of memory");
@@ -809,7 +905,15 @@ static int propose_at_async(spel_draft *d, int32_t pending, int k, int start, in
         }
         d->ahead.started = 1;
     }
+    return 0;
+}
+
+static int propose_at_async(spel_draft *d, int32_t pending, int k, int start, int guess) {
+    REFUSE_IF_BUSY(d);
+    /* checked now, so an accepted request can only fail inside run_token */
+    if (check_propose(d, k, start) || ahead_start(d)) return -1;
     pthread_mutex_lock(&d->ahead.mu);
+    d->ahead.prefill = 0;
     d->ahead.pending = pending;
     d->ahead.k = k;
     d->ahead.start = start;
@@ -826,6 +930,42 @@ int spel_draft_propose_at_async(spel_draft *d, int32_t pending, int k, int start
     GUARDED(d, propose_at_async(d, pending, k, start, guess));
 }
 
+static int prefill_async(spel_draft *d, const int32_t *tokens, int64_t n) {
+    REFUSE_IF_BUSY(d);
+    if (n < 0) return fail(d, "prefill of %lld tokens", (long long)n);
+    if (d->last_m) return fail(d, "prefill needs a committed state (commit the last batch first)");
+    if (d->pos + n > d->cfg.max_seq)
+        return fail(d, "prefill of %lld tokens at position %lld passes max_seq=%d", (long long)n,
+                    (long long)d->pos, d->cfg.max_seq);
+    for (int64_t i = 0; i < n; i++)
+        if (tokens[i] < 0 || tokens[i] >= d->cfg.vocab)
+            return fail(d, "token %d out of range 0..%d", tokens[i], d->cfg.vocab - 1);
+    int32_t *copy = malloc(sizeof(int32_t) * (size_t)(n ? n : 1));
+    if (!copy) return fail(d, "out of memory");
+    memcpy(copy, tokens, sizeof(int32_t) * (size_t)n);
+    if (ahead_start(d)) {
+        free(copy);
+        return -1;
+    }
+    pthread_mutex_lock(&d->ahead.mu);
+    free(d->ahead.tokens);
+    d->ahead.tokens = copy;
+    d->ahead.n_tokens = n;
+    d->ahead.prefill = 1;
+    d->ahead.k = 0;
+    d->ahead.guess = 0;
+    d->ahead.ready = 0;
+    __atomic_store_n(&d->ahead.cancel, 0, __ATOMIC_RELAXED);
+    d->ahead.busy = 1;
+    pthread_cond_broadcast(&d->ahead.cv);
+    pthread_mutex_unlock(&d->ahead.mu);
+    return 0;
+}
+
+int spel_draft_prefill_async(spel_draft *d, const int32_t *tokens, int64_t n) {
+    GUARDED(d, prefill_async(d, tokens, n));
+}
+
 static int wait_ahead(spel_draft *d, int32_t *out_tokens) {
     if (!d->ahead.busy) return fail(d, "wait: no asynchronous proposal was started");
     pthread_mutex_lock(&d->ahead.mu);
@@ -835,7 +975,7 @@ static int wait_ahead(spel_draft *d, int32_t *out_tokens) {
     __atomic_store_n(&d->ahead.cancel, 0, __ATOMIC_RELAXED);
     int rc = d->ahead.rc;
     pthread_mutex_unlock(&d->ahead.mu);
-    if (rc == 0 && out_tokens)
+    if (rc == 0 && out_tokens && !d->ahead.prefill)
         memcpy(out_tokens, d->ahead.out, sizeof(int32_t) * ((size_t)d->ahead.k + (d->ahead.guess ? 1 : 0)));
     return rc;
 }

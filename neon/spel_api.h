@@ -92,6 +92,11 @@ int spel_draft_propose_at(spel_draft *d, int32_t pending, int k, int start, int 
  * request); spel_draft_wait blocks until it is done and gives its rc and the k
  * (+1 with guess) tokens.  In between, every other call on d fails ("wait first"). */
 int spel_draft_propose_at_async(spel_draft *d, int32_t pending, int k, int start, int guess);
+/* feed and commit n tokens (from a committed state; the state spel_draft_forward and
+ * spel_draft_commit leave over the same tokens, bit for bit) on the draft's own thread,
+ * at normal priority: a prompt's prefill beside the target's.  The tokens are copied;
+ * spel_draft_wait (out_tokens unused) gives its rc. */
+int spel_draft_prefill_async(spel_draft *d, const int32_t *tokens, int64_t n);
 int spel_draft_wait(spel_draft *d, int32_t *out_tokens);
 /* stop a running asynchronous proposal after its current forward; its wait then
  * returns SPEL_CANCELLED (if it had not finished) and the batch before its offset stays */

@@ -253,6 +253,51 @@ def test_async_proposal_equals_propose_at(small_weights, threads):
     assert task_count() == tasks0                              # close joined the worker while busy
 
 
+@pytest.mark.parametrize("threads", [1, 2])
+def test_async_prefill_equals_forward_and_commit(small_weights, threads):
+    """prefill_async on the draft's native thread leaves exactly the state of feeding the
+    same tokens in ring-sized forward + commit batches; it checks its request at once."""
+    toks = golden_tokens(SMALL, 37, seed=4)
+    with draft.CDraft(SMALL, small_weights, ring=5, threads=threads) as d, \
+            draft.CDraft(SMALL, small_weights, ring=5, threads=threads) as ref:
+        for i in range(0, 37, 5):
+            ref.forward(toks[i:i + 5], logits=False)
+            ref.commit(len(toks[i:i + 5]))
+        d.prefill_async(toks)
+        with pytest.raises(ValueError, match="wait for it first"):
+            d.forward([1])
+        assert d.wait() == [] and d.pos == 37
+        assert np.array_equal(d.forward([3, 4]), ref.forward([3, 4]))
+        with pytest.raises(ValueError, match="committed state"):
+            d.prefill_async([1, 2])                          # the batch above is uncommitted
+        d.commit(2)
+        with pytest.raises(ValueError, match="out of range"):
+            d.prefill_async([1, SMALL.vocab])
+        with pytest.raises(ValueError, match="max_seq"):
+            d.prefill_async([1] * (SMALL.max_seq - 38))
+        d.prefill_async([])                                  # nothing to do: still a request to wait for
+        assert d.wait() == [] and d.pos == 39
+        d.prefill_async(toks[:20])
+        d.reset()                                            # finishes the prefill, then resets
+        assert d.pos == 0
+
+
+def test_async_prefill_of_several_batches_equals_steps(default_weights):
+    """A prompt longer than the prefill's batch of 64 (attended layer by layer, 64 queries
+    per pass over the cache) leaves the bits of one token at a time."""
+    toks = golden_tokens(DEFAULT, 150, seed=5)
+    with draft.CDraft(DEFAULT, default_weights, ring=5) as d, draft.CDraft(DEFAULT, default_weights, ring=5) as ref:
+        d.prefill_async(toks)
+        d.wait()
+        for t in toks:
+            ref.step(t)
+        assert d.pos == ref.pos == 150
+        assert np.array_equal(d.forward([7, 8]), ref.forward([7, 8]))
+        d.commit(2)
+        ref.commit(2)
+        assert d.propose(9, 4) == ref.propose(9, 4)
+
+
 def test_reset_reproduces(small_weights):
     toks = golden_tokens(SMALL, 6, seed=9)
     with draft.CDraft(SMALL, small_weights) as d:

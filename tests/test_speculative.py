@@ -519,6 +519,23 @@ def test_real_c_draft_ahead_fidelity_and_max_seq(tiny):
         draft.close()
 
 
+def test_c_draft_prefills_beside_the_target(tiny):
+    """The C draft's prompt prefill is running on its own thread while the target
+    prefills (start_sync before the target, sync after), and the tokens are ar's."""
+    _cdraft_or_skip()
+    for ahead in (False, True):
+        draft = make_proposer("c", tiny.model, tiny.w, k=4, threads=1, ahead=ahead)
+        dec = SpeculativeDecoder(tiny.model, draft, "spec", k=4, strict=True)
+        seen = []
+        prefill = dec.target.prefill
+        dec.target.prefill = lambda toks: (seen.append(draft._prefilling), prefill(toks))[1]
+        prompt, ref = tiny.prompts[1], tiny.ref[True][1]
+        assert dec.generate(prompt, N_REAL) == ref
+        assert seen == [True] and not draft._prefilling
+        assert draft.forwards >= len(prompt) - 1
+        draft.close()
+
+
 def test_c_draft_ahead_continuation_is_dropped_when_the_draft_fell_behind(tiny):
     """A continuation kept for "pending == guess" is not used once tokens were committed
     without the draft (an n-gram round in auto): the proposal is the fresh one."""

@@ -47,6 +47,9 @@ class AutoProposer(Proposer):
     def sync(self, history):
         self.fallback.sync(history)
 
+    def start_sync(self, history):
+        self.fallback.start_sync(history)
+
     def propose(self, history, pending, k, params, seed):
         toks, qs = self.ngram.propose(history, pending, k, params, seed)
         if toks:

@@ -20,12 +20,14 @@ class CDraftProposer(Proposer):
         self.forwards = 0
         self._base = int(cdraft.pos)
         self._sampling = None          # (params, seed) the C draft samples with, None: argmax
+        self._prefilling = False
 
     @property
     def threads(self):
         return getattr(self.cdraft, "threads", None)
 
     def reset(self):
+        self._finish_prefill()
         self.cdraft.reset()
         self._base = int(self.cdraft.pos)
         self.forwards = 0
@@ -34,7 +36,21 @@ class CDraftProposer(Proposer):
     def pos(self):
         return int(self.cdraft.pos) - self._base
 
+    def start_sync(self, history):
+        """The prompt's prefill on the draft's native thread (the batches ``sync`` feeds,
+        the same state); ``sync`` waits for it."""
+        if self.pos < len(history) and not self._prefilling:
+            self.cdraft.prefill_async(list(history[self.pos:]))
+            self.forwards += len(history) - self.pos
+            self._prefilling = True
+
+    def _finish_prefill(self):
+        if self._prefilling:
+            self._prefilling = False
+            self.cdraft.wait()
+
     def sync(self, history):
+        self._finish_prefill()
         while self.pos < len(history):
             chunk = list(history[self.pos:self.pos + self.ring])
             self.cdraft.forward(chunk, logits=False)
@@ -77,7 +93,10 @@ class CDraftProposer(Proposer):
         self.cdraft.commit(n)
 
     def close(self):
-        self.cdraft.close()
+        try:
+            self._finish_prefill()
+        finally:
+            self.cdraft.close()
 
 
 class CDraftAheadProposer(CDraftProposer):

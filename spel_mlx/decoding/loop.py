@@ -128,9 +128,11 @@ class SpeculativeDecoder:
         self.target.reset()
         history = prompt[:-1]          # committed in the target
         pending = prompt[-1]
-        self.target.prefill(history)
         if proposer is not None:
             proposer.reset()
+            proposer.start_sync(history)   # the C draft prefills on its own thread meanwhile
+        self.target.prefill(history)
+        if proposer is not None:
             proposer.sync(history)
         st.prefill_s = time.perf_counter() - t0
         if calibrate and max_tokens > 0:

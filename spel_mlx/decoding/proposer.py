@@ -24,7 +24,8 @@ class Proposer:
     runs k+1 forwards ([pending, d_0..d_{k-1}]) and keeps them uncommitted;
     `commit(n)` then keeps the first n of those positions.  `history` is what
     the target has committed; a proposer that fell behind (governor AR rounds,
-    auto mode) catches up from it (`sync`) before proposing.
+    auto mode) catches up from it (`sync`) before proposing; `start_sync` lets the
+    prompt's catch-up run while the target prefills.
     """
 
     name = "draft"    # the --draft kind, reported as the statistics' "draft"
@@ -36,6 +37,10 @@ class Proposer:
 
     def sync(self, history):
         pass
+
+    def start_sync(self, history):
+        """Begin catching up on ``history`` in the background where the proposer can (the
+        C draft on its own thread, beside the target's prefill); ``sync`` finishes it."""
 
     def propose(self, history, pending, k, params, seed):
         raise NotImplementedError

@@ -357,9 +357,17 @@ class CDraft:
                                                     int(bool(guess))))
         self._async = int(k) + (1 if guess else 0)
 
+    def prefill_async(self, tokens) -> None:
+        """Feed and commit ``tokens`` (from a committed state, in batches of the ring
+        size: the state ``forward`` + ``commit`` leave, bit for bit) on the draft's own
+        native thread, and return at once; ``wait`` blocks until it is done."""
+        toks = self._tokens(tokens)
+        self._check(lib.spel_draft_prefill_async(self._live(), _ptr("int32_t", toks), toks.shape[0]))
+        self._async = 0
+
     def wait(self) -> list | None:
-        """The tokens of the proposal started by propose_at_async (blocks until done);
-        None when ``cancel`` stopped it first."""
+        """The tokens of the proposal started by propose_at_async, [] after prefill_async
+        (blocks until done); None when ``cancel`` stopped a proposal first."""
         n, self._async = getattr(self, "_async", 0), 0
         out = self._proposal_buffer()
         rc = lib.spel_draft_wait(self._live(), out)
