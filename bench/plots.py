@@ -18,6 +18,17 @@ def make_plots(results, img_dir) -> tuple:
                     "`pip install spel-mlx[plots]` to get them.")
     os.makedirs(img_dir, exist_ok=True)
     made = []
+    p = results["params"]
+    if not p.get("only_sections") or {"b2", "b3", "placement"} & set(p["sections"]):
+        made += decode_plots(results, img_dir, plt)
+    if select_rows(results, "b2ctx"):
+        made.append(("B2 by context: v(M) and AR decode against context", context_plot(results, img_dir, plt)))
+    return made, ""
+
+
+def decode_plots(results, img_dir, plt) -> list:
+    """B3 decode tok/s, c and v by placement, measured against projected speedup."""
+    made = []
     regimes = results["params"]["regimes"]
     K = results["params"]["K"]
 
@@ -120,4 +131,36 @@ def make_plots(results, img_dir) -> tuple:
     fig.savefig(p, dpi=110)
     plt.close(fig)
     made.append(("Measured vs projected speedup across alpha", p))
-    return made, ""
+    return made
+
+
+def context_plot(results, img_dir, plt) -> str:
+    """v(M) against context (one line per regime and M) and AR decode tok/s relative to
+    the shortest context, with issue 14's goals as dotted marks."""
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    for g in results["params"]["regimes"]:
+        rows = [r for r in select_rows(results, "b2ctx", g) if r["status"] == common.OK]
+        passes = [r for r in rows if r["name"].startswith("target pass")]
+        for M in sorted({int(metric(r, "M")) for r in passes} - {1}):
+            pts = sorted((metric(r, "context"), metric(r, "v")) for r in passes if metric(r, "M") == M)
+            axes[0].plot([p[0] for p in pts], [p[1] for p in pts], "-o", label=f"{g} M={M}")
+        ar = sorted((metric(r, "context"), metric(r, "vs_shortest")) for r in rows if r["name"].startswith("AR decode"))
+        if ar:
+            axes[1].plot([p[0] for p in ar], [p[1] for p in ar], "-o", label=g)
+    axes[0].plot([64, 2048], [1.25, 1.35], "k_", ms=20, label="goal for M=5 (at most)")
+    axes[0].set_xlabel("context (tokens)")
+    axes[0].set_ylabel("v = pass(M) / pass(1)")
+    axes[0].set_title("verification cost by context, target on CPU", fontsize=9)
+    axes[1].plot([2048, 4000], [0.85, 0.75], "k_", ms=20, label="goal (at least)")
+    axes[1].set_xlabel("context (tokens)")
+    axes[1].set_ylabel("AR decode tok/s / at the shortest context")
+    axes[1].set_title("AR decode by context", fontsize=9)
+    for ax in axes:
+        ax.set_xscale("log", base=2)
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=6)
+    fig.tight_layout()
+    p = os.path.join(img_dir, "bench_b2_context.png")
+    fig.savefig(p, dpi=110)
+    plt.close(fig)
+    return p

@@ -126,6 +126,7 @@ def level_params(args) -> tuple:
         if bad:
             raise ValueError(f"--sections: unknown {bad[0]!r} (known: {', '.join(SECTIONS)})")
         params["sections"] = secs
+        params["only_sections"] = True     # the report leaves the others out
     if args.threads:
         try:
             th = [int(t) for t in args.threads.split(",") if t.strip()]

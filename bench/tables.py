@@ -273,6 +273,81 @@ def _b2_regime(g, rows) -> list:
     return parts
 
 
+def b2ctx_section(results) -> str:
+    return "\n".join(_per_regime(results, "b2ctx", _b2ctx_regime))
+
+
+# issue 14's goals: (label, the figure, the bound, "<=" or ">=")
+CONTEXT_GOALS = (("v(K+1=5) at 64 tokens", "v5@64", 1.25, "<="), ("v(K+1=5) at 2k", "v5@2048", 1.35, "<="),
+                 ("AR tok/s at 2k / at 64", "ar@2048", 0.85, ">="), ("AR tok/s at 4k / at 64", "ar@4000", 0.75, ">="),
+                 ("ngram / AR on a repetitive document", "ngram", 3.0, ">="),
+                 ("spec prefill / ar prefill (each length)", "prefill", 1.05, "<="))
+
+
+def _b2ctx_regime(g, rows) -> list:
+    ok = _ok(rows)
+    parts = [f"**{g}**", ""]
+    if not ok:
+        return parts + [f"- {_why(rows[0])}", ""]
+    passes = [r for r in ok if r["name"].startswith("target pass")]
+    ctxs = sorted({int(metric(r, "context")) for r in passes})
+    Ms = sorted({int(metric(r, "M")) for r in passes})
+    at = {(int(metric(r, "context")), int(metric(r, "M"))): r for r in passes}
+    ar = {int(metric(r, "context")): r for r in ok if r["name"].startswith("AR decode")}
+    body = [[c, _cell(at.get((c, 1)), "ms")] + [_cell(at.get((c, M)), "v") for M in Ms if M > 1] +
+            [_cell(ar.get(c), "tok_s"), _cell(ar.get(c), "vs_shortest")] for c in ctxs]
+    parts.append(_table(["context", "AR pass ms"] + [f"v(M={M})" for M in Ms if M > 1] +
+                        ["AR decode tok/s", "AR / shortest"], body))
+    parts += ["", "Where a pass goes (ms, medians): the fused primitives' bodies by part, and the rest of "
+              "the wall time (graph dispatch, Python, waiting).", ""]
+    names = ["products", "attention", "delta rule", "other bodies", "overhead"]
+    body = [[c, M, _cell(at[(c, M)], "ms")] + [_cell(at[(c, M)], f"split {n}") for n in names]
+            for c in ctxs for M in Ms if (c, M) in at]
+    parts.append(_table(["context", "M", "wall"] + names, body))
+    pre = [r for r in rows if r["name"].startswith("prefill")]
+    if pre:
+        lengths = sorted({int(r["K"]) for r in pre})
+        by = {(int(r["K"]), r["mode"]): r for r in pre}
+        body = [[n, _cell(by.get((n, "ar")), "tok_s"), _cell(by.get((n, "spec")), "tok_s"),
+                 _cell(by.get((n, "spec")), "vs_ar"),
+                 _cell(by.get((n, "mlx-lm")), "tok_s")] for n in lengths]
+        parts += ["", "Prefill (prompt tokens per second; spec = the C draft's prefill beside the target's):", ""]
+        parts.append(_table(["prompt tokens", "ar tok/s", "spec tok/s", "spec / ar time",
+                             "mlx-lm GDN hybrid tok/s"], body))
+    for r in rows:
+        if r["name"].startswith("ngram"):
+            parts += ["", f"- ngram (K={r['K']}) on a repetitive document: " + (
+                f"{int(metric(r, 'context'))} tokens, {_cell(r, 'tok_s')} tok/s vs AR {_cell(r, 'ar_tok_s')} "
+                f"({_cell(r, 'speedup')}×), alpha {_cell(r, 'alpha')}, {_cell(r, 'tokens_per_round')} "
+                f"tokens/round, v {_cell(r, 'v')}" if r["status"] == common.OK else _why(r))]
+    figures = context_figures(rows)
+    marks = []
+    for label, key, bound, op in CONTEXT_GOALS:
+        x = figures.get(key)
+        if x is not None:
+            met = x <= bound if op == "<=" else x >= bound
+            marks.append(f"{label}: {fmt_num(x)} (goal {op} {bound}: {'met' if met else 'not met'})")
+    if marks:
+        parts += ["", "Goals: " + "; ".join(marks) + "."]
+    return parts + [""]
+
+
+def context_figures(rows) -> dict:
+    """The goal figures of one regime's b2ctx rows (medians)."""
+    out = {}
+    for r in _ok(rows):
+        ctx = r.get("context")
+        if r["name"].startswith("target pass") and metric(r, "M") == 5 and ctx in (64, 2048):
+            out[f"v5@{ctx}"] = metric(r, "v")
+        elif r["name"].startswith("AR decode") and ctx in (2048, 4000):
+            out[f"ar@{ctx}"] = metric(r, "vs_shortest")
+        elif r["name"].startswith("ngram"):
+            out["ngram"] = metric(r, "speedup")
+        elif r["name"].startswith("prefill") and r["mode"] == "spec":
+            out["prefill"] = max(out.get("prefill", 0.0), metric(r, "vs_ar") or 0.0)
+    return out
+
+
 def b3_section(results) -> str:
     return "\n".join(_per_regime(results, "b3", _b3_regime))
 

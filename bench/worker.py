@@ -54,6 +54,9 @@ def run_section(section: str, job: dict, regime: dict) -> list:
     if section == "b3":
         from . import b3_decode
         return b3_decode.run(job, regime)
+    if section == "b2ctx":
+        from . import b2_context
+        return b2_context.run(job, regime)
     if section == "placement":
         return run_placement(job, regime)
     if section == "peers":

@@ -29,7 +29,7 @@ def test_smoke_json_structure(smoke):
     _, res, _, _ = smoke
     assert res["schema"] == common.SCHEMA
     assert res["level"] == "smoke" and res["params"]["runs"] == 2
-    assert len(res["process_meta"]) == 2  # one worker process per run
+    assert len(res["process_meta"]) == 3  # one worker process per run, and B2 by context's own
     for r in res["rows"]:
         for k in common.KEY_FIELDS + ("status", "note", "metrics"):
             assert k in r, (k, r)
@@ -68,6 +68,29 @@ def test_smoke_headline_rows_span_process_runs(smoke):
     assert not any(r["section"] == "b1" for r in res["rows"])  # B1 is left out of the smoke form
     # peers run once; they are not headline rows
     assert all(r.get("process_runs", 0) <= 1 for r in res["rows"] if r["section"] in ("b1", "peers"))
+
+
+def test_smoke_b2_by_context(smoke):
+    """B2 by context: a pass row per (context, M) with v = pass / AR pass of its context
+    and a split that adds up to the wall time; AR decode, prefill and ngram rows."""
+    out, res, md, _ = smoke
+    rows = [r for r in res["rows"] if r["section"] == "b2ctx"]
+    passes = {(r["context"], r["metrics"]["M"]["median"]): r for r in rows if r["name"].startswith("target pass")}
+    proto = res["params"]["per_regime"]["tiny"]
+    assert set(passes) == {(c, M) for c in proto["contexts"] for M in proto["ctx_M"]}
+    for (ctx, M), r in passes.items():
+        m = {k: v["median"] for k, v in r["metrics"].items()}
+        assert r["status"] == common.OK and r["process_runs"] == 1
+        assert m["v"] == pytest.approx(m["ms"] / passes[(ctx, 1)]["metrics"]["ms"]["median"], rel=1e-9)
+        parts = [m[f"split {p}"] for p in ("products", "attention", "delta rule", "other bodies", "overhead")]
+        assert min(parts) >= 0 and sum(parts) == pytest.approx(m["ms"], rel=1e-6) and parts[0] > 0
+    ar = [r for r in rows if r["name"].startswith("AR decode")]
+    assert len(ar) == len(proto["contexts"]) and all(r["metrics"]["tok_s"]["median"] > 0 for r in ar)
+    pre = {(r["K"], r["mode"]) for r in rows if r["name"].startswith("prefill")}
+    assert pre == {(n, m) for n in proto["prefill_lengths"] for m in ("ar", "spec", "mlx-lm")}
+    ngram = [r for r in rows if r["name"].startswith("ngram")]
+    assert len(ngram) == 1 and ngram[0]["status"] == common.SKIPPED     # random weights: said why
+    assert "## B2 by context" in md and "| context | AR pass ms | v(M=2) | v(M=5) |" in md
 
 
 def test_smoke_cost_model_beside_every_speculative_row(smoke):

@@ -105,7 +105,7 @@ void attn_out_body(const std::vector<mx::array>& in, std::vector<mx::array>& out
   std::vector<float> xb, o(M * H * hd), y(M * d);
   const float* x = contiguous_2d(in[0], xb);
   {
-    ProfScope prof(P_ATTEND);   // inside the block's own time
+    ProfScope prof(P_IN_ATTEND);
     attend_body(View(in[1]), View(in[2]), View(in[3]), M, H, hd, in[2].shape(0), in[4].data<int32_t>()[0],
                 o.data());
   }

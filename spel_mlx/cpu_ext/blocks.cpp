@@ -38,7 +38,7 @@ void gdn_body(const std::vector<mx::array>& in, std::vector<mx::array>& out, flo
   conv_body(View(xn.data(), d, 1), View(in[2]), View(in[3]), M, d, u.data(), out[2].data<float>());
   linear_into(u.data(), M, in[4], qkv.data());
   {
-    ProfScope prof(P_DELTA);   // inside the block's own time
+    ProfScope prof(P_IN_DELTA);
     gdn_delta_body(View(qkv.data(), 3 * inner, 1), View(in[5]), View(in[6]), View(in[7]), M, H, hd, o.data(),
                    out[1].data<float>(), out[3].data<float>(), out[4].data<float>());
   }

@@ -23,7 +23,8 @@ std::atomic<int> simd_allowed{2};
 
 namespace {
 
-const char* const PROF_NAMES[P_KINDS] = {"linear", "conv", "delta", "attend", "rowwise", "block"};
+const char* const PROF_NAMES[P_KINDS] = {"linear", "conv", "delta", "attend", "rowwise", "block",
+                                         "block.linear", "block.attend", "block.delta"};
 std::atomic<bool> prof_on{false};
 std::atomic<int64_t> prof_ns[P_KINDS], prof_calls[P_KINDS];
 

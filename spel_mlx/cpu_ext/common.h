@@ -45,9 +45,10 @@ extern std::atomic<int> simd_allowed;
 inline bool use_avx2() { return HAVE_AVX2 && simd_allowed.load(std::memory_order_relaxed) >= 1; }
 inline bool use_avx512() { return HAVE_AVX512 && simd_allowed.load(std::memory_order_relaxed) >= 2; }
 
-// What profile(True) times: the worker-thread bodies, per kind of primitive (a scope
-// inside a body counts in both kinds: the attention inside attn_out).
-enum ProfKind { P_LINEAR, P_CONV, P_DELTA, P_ATTEND, P_ROWWISE, P_BLOCK, P_KINDS };
+// What profile(True) times: the worker-thread bodies, per kind of primitive, and three
+// parts of the sub-blocks' own time ("block.linear", "block.attend", "block.delta").
+enum ProfKind { P_LINEAR, P_CONV, P_DELTA, P_ATTEND, P_ROWWISE, P_BLOCK, P_IN_LINEAR, P_IN_ATTEND, P_IN_DELTA,
+                P_KINDS };
 class ProfScope {
  public:
   explicit ProfScope(ProfKind kind);

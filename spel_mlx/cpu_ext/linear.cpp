@@ -141,7 +141,7 @@ class SpelLinear : public CpuPrimitive {
 }  // namespace
 
 void linear_into(const float* X, int64_t M, const mx::array& blocks, float* Y) {
-  ProfScope prof(P_LINEAR);   // the sub-blocks' products, inside their own time
+  ProfScope prof(P_IN_LINEAR);   // the sub-blocks' products, inside their own time
   linear_body(X, M, blocks.shape(1), blocks.data<float>(), blocks.shape(0), blocks.shape(2), Y);
 }
 
