@@ -25,6 +25,7 @@ KERNELS = {
     )
 }
 ATTN_THREADS = 128          # attn_verify's NT
+ATTN_QUERY_TILE = 8         # attn_verify's QT: queries per threadgroup
 DELTA_ROWS_PER_GROUP = 4    # gdn_delta threadgroup (32, 4, 1)
 GEMV_ROWS_PER_SIMD = 2      # tern_gemv's RPS
 GEMV_SIMD_PER_GROUP = 4
@@ -68,7 +69,8 @@ def plan_attend(q, k_cache, v_cache, pos0, inv_freq, rope_q: bool) -> Launch:
     M, H, hd = q.shape
     return Launch("attn_verify", [q, k_cache, v_cache, pos0, inv_freq],
                   [("HD", hd), ("ROPE_Q", int(rope_q))],
-                  (ATTN_THREADS, M, H), (ATTN_THREADS, 1, 1), [(M, H, hd)], [np.float32])
+                  (ATTN_THREADS, ceil_to(M, ATTN_QUERY_TILE) // ATTN_QUERY_TILE, H), (ATTN_THREADS, 1, 1),
+                  [(M, H, hd)], [np.float32])
 
 
 def plan_act_quant(x, cp_scalar, cp: int) -> Launch:

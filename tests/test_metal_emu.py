@@ -24,8 +24,9 @@ HAVE_CXX = bool(os.environ.get("CXX") or shutil.which("g++") or shutil.which("cl
 # (M, H, hd): edge shapes M = 1 and M = 17, several head counts; H >= 8 moves the
 # per-head gates from the constant to the device address space in the signature.
 DELTA_CASES = [(1, 2, 32), (5, 3, 64), (17, 1, 32), (2, 8, 32), (2, 1, 128)]
-# (M, H, hd, pos0); pos0 = 1100 crosses attn_verify's 1024-key chunk
-ATTN_CASES = [(1, 2, 32, 0), (5, 3, 64, 20), (17, 2, 32, 3), (3, 1, 64, 1100), (2, 1, 128, 6)]
+# (M, H, hd, pos0): a long cache (1100), M = 17 (three query tiles), M = 9 crossing a
+# tile, partial key blocks, hd 128 (blocks of 16 keys)
+ATTN_CASES = [(1, 2, 32, 0), (5, 3, 64, 20), (17, 2, 32, 3), (3, 1, 64, 1100), (2, 1, 128, 6), (9, 2, 128, 40)]
 CONV_CASES = [(1, 64), (5, 100), (17, 48)]
 # (N vectors, rows, cols): odd rows (RPS tail), N = 5 (NV = 4 tail), cols padded to 64
 TERN_CASES = [(1, 37, 100), (5, 64, 192), (1, 8, 64)]
@@ -257,13 +258,16 @@ def test_attend_rope_fused(ops, M, H, hd, pos0):
     assert np.abs(o - ref).max() < 5e-5
 
 
-def test_attend_batch_equals_query_by_query(fib):
-    M, H, hd, pos0 = 17, 2, 32, 3
+@pytest.mark.parametrize("M,H,hd,pos0", [(17, 2, 32, 3), (9, 1, 128, 40)])
+def test_attend_batch_equals_query_by_query(fib, M, H, hd, pos0):
+    """Whatever tile and SIMD group a query lands in, it gets the bits of a lone query
+    (plain and with the fused q norm + RoPE)."""
     q, kc, vc = attn_inputs(M, H, hd, pos0, seed=5)
-    o = fib.attend(q, kc, vc, pos0, M)
+    inv_freq = rope_inv_freq(hd, 10000.0)
+    o, orope = fib.attend(q, kc, vc, pos0, M), fib.attend_rope(2 * q, kc, vc, pos0, M, inv_freq)
     for j in range(M):
-        oj = fib.attend(q[j:j + 1], kc, vc, pos0 + j, 1)
-        assert np.array_equal(oj[0], o[j])
+        assert np.array_equal(fib.attend(q[j:j + 1], kc, vc, pos0 + j, 1)[0], o[j])
+        assert np.array_equal(fib.attend_rope(2 * q[j:j + 1], kc, vc, pos0 + j, 1, inv_freq)[0], orope[j])
 
 
 # ---- against the model's MLX-ops path ------------------------------------------------------
