@@ -41,9 +41,11 @@ def context_prompt(regime: dict, n: int) -> list:
     return list(base[:n])
 
 
-def repetitive_document(regime: dict, n: int) -> list:
-    """A long repetitive document: one ~200-token paragraph of held-out text, n tokens' worth."""
-    para = context_prompt(regime, 200)
+def repetitive_document(regime: dict, n: int, page: int = 400) -> list:
+    """A long repetitive document: one page (``page`` tokens) of held-out text repeated to
+    n tokens.  (The shipped model does not copy the page back; it settles into loops of
+    its own, which the n-gram lookup then follows: alpha depends on the document.)"""
+    para = context_prompt(regime, page)
     return (para * (n // len(para) + 1))[:n]
 
 
