@@ -54,10 +54,7 @@ def decode_plots(results, img_dir, plt) -> list:
             ax.invert_yaxis()
         ax.set_xlabel("tok/s (median, min–max over process runs)")
         ax.set_title(f"B3 decode, {g} (target MLX CPU, K={K})", fontsize=9)
-    fig.tight_layout()
-    p = os.path.join(img_dir, "bench_decode_tok_s.png")
-    fig.savefig(p, dpi=110)
-    plt.close(fig)
+    p = save(fig, plt, img_dir, "bench_decode_tok_s.png")
     made.append(("Decode tok/s by mode and placement", p))
 
     # 2. c and v by placement (the calibration rows; B3 draft-only rows if it did not run)
@@ -99,10 +96,7 @@ def decode_plots(results, img_dir, plt) -> list:
     axes[1].set_title("verification cost v, target MLX on CPU", fontsize=9)
     if axes[1].get_legend_handles_labels()[0]:
         axes[1].legend(fontsize=8)
-    fig.tight_layout()
-    p = os.path.join(img_dir, "bench_c_v_by_placement.png")
-    fig.savefig(p, dpi=110)
-    plt.close(fig)
+    p = save(fig, plt, img_dir, "bench_c_v_by_placement.png")
     made.append(("c and v by placement", p))
 
     # 3. measured vs projected speedup across alpha
@@ -126,12 +120,17 @@ def decode_plots(results, img_dir, plt) -> list:
         ax.set_title(f"{g}: measured vs cost model, K={K}", fontsize=9)
         if ax.get_legend_handles_labels()[0]:
             ax.legend(fontsize=6)
-    fig.tight_layout()
-    p = os.path.join(img_dir, "bench_speedup_vs_alpha.png")
-    fig.savefig(p, dpi=110)
-    plt.close(fig)
+    p = save(fig, plt, img_dir, "bench_speedup_vs_alpha.png")
     made.append(("Measured vs projected speedup across alpha", p))
     return made
+
+
+def save(fig, plt, img_dir, name) -> str:
+    fig.tight_layout()
+    path = os.path.join(img_dir, name)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
 
 
 def context_plot(results, img_dir, plt) -> str:
@@ -159,8 +158,4 @@ def context_plot(results, img_dir, plt) -> str:
         ax.set_xscale("log", base=2)
         if ax.get_legend_handles_labels()[0]:
             ax.legend(fontsize=6)
-    fig.tight_layout()
-    p = os.path.join(img_dir, "bench_b2_context.png")
-    fig.savefig(p, dpi=110)
-    plt.close(fig)
-    return p
+    return save(fig, plt, img_dir, "bench_b2_context.png")

@@ -908,6 +908,15 @@ static int ahead_start(spel_draft *d) {
     return 0;
 }
 
+/* hand the request whose fields the caller set (holding ahead.mu) to the worker */
+static void ahead_post(spel_draft *d) {
+    d->ahead.ready = 0;
+    __atomic_store_n(&d->ahead.cancel, 0, __ATOMIC_RELAXED);
+    d->ahead.busy = 1;
+    pthread_cond_broadcast(&d->ahead.cv);
+    pthread_mutex_unlock(&d->ahead.mu);
+}
+
 static int propose_at_async(spel_draft *d, int32_t pending, int k, int start, int guess) {
     REFUSE_IF_BUSY(d);
     /* checked now, so an accepted request can only fail inside run_token */
@@ -918,11 +927,7 @@ static int propose_at_async(spel_draft *d, int32_t pending, int k, int start, in
     d->ahead.k = k;
     d->ahead.start = start;
     d->ahead.guess = guess;
-    d->ahead.ready = 0;
-    __atomic_store_n(&d->ahead.cancel, 0, __ATOMIC_RELAXED);
-    d->ahead.busy = 1;
-    pthread_cond_broadcast(&d->ahead.cv);
-    pthread_mutex_unlock(&d->ahead.mu);
+    ahead_post(d);
     return 0;
 }
 
@@ -954,11 +959,7 @@ static int prefill_async(spel_draft *d, const int32_t *tokens, int64_t n) {
     d->ahead.prefill = 1;
     d->ahead.k = 0;
     d->ahead.guess = 0;
-    d->ahead.ready = 0;
-    __atomic_store_n(&d->ahead.cancel, 0, __ATOMIC_RELAXED);
-    d->ahead.busy = 1;
-    pthread_cond_broadcast(&d->ahead.cv);
-    pthread_mutex_unlock(&d->ahead.mu);
+    ahead_post(d);
     return 0;
 }
 
