@@ -90,11 +90,11 @@ def test_cost_governor_one_slow_round_does_not_trip():
     assert g.drafting
     feed(g, [(2, 4, 400.0)])                    # stalled: capped at 4x the window's median
     assert g.drafting and g.trips == 0
-    assert g.break_even == pytest.approx(((7 * 2.0 + 8.0) / 8 * 0.9 - 1) / 4)
+    assert g.break_even == pytest.approx(((7 * 2.0 + 8.0) / 8 * (1 - g.cfg.margin) - 1) / 4)
 
 
 def test_cost_governor_probe_that_lasts_resets_the_backoff():
-    cfg = GovernorConfig(window=4, first_rounds=1, backoff=8, backoff_growth=2)
+    cfg = GovernorConfig(window=4, first_rounds=1, backoff=8, backoff_growth=2, margin=0.1)
     g = gv.CostGovernor(cfg, ar_seconds=AR)
     feed(g, [(0, 4, 2.0)])
     assert not g.drafting

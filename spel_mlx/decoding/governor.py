@@ -30,7 +30,7 @@ class GovernorConfig:
     zero_accept_grace: int = 0   # opt-in: the zero-accept trip waits for this many rounds
     resume_after: int = 0        # opt-in: re-probe drafting after this many AR tokens (0 = never)
     # the cost model's (docs/decoding.md, "Cost-model governor": chosen on recorded traces)
-    margin: float = 0.1          # suspend below (1 - margin) of AR speed: noise and regression
+    margin: float = 0.2          # suspend below (1 - margin) of AR speed: noise and regression
     prior_rounds: float = 2.0    # pseudo-rounds at the call's acceptance in the window's
     prior_alpha: float = 0.5     # one pseudo-round at this in the call's acceptance
     first_rounds: int = 2        # drafting rounds of a call before it may trip
