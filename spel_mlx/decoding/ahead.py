@@ -20,7 +20,7 @@ from dataclasses import dataclass
 @dataclass
 class AheadConfig:
     window: int = 16          # rounds that drafted ahead in the rolling wait and hit rate
-    min_rounds: int = 4       # of them before drafting ahead may be switched off
+    min_rounds: int = 2       # of them before drafting ahead may be switched off
     fresh_samples: int = 16   # fresh proposal times kept (their median is F)
     margin: float = 0.1       # ahead must keep W below (1 - margin) h F ...
     floor: float = 0.25       # ... or below this share of F (a quiet machine's hand-over)
