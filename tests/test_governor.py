@@ -116,6 +116,25 @@ def test_cost_governor_ar_reference_is_a_capped_mean():
     assert g.ar_seconds == pytest.approx((1.0 + 3.0 + 1.0 + 8.0) / 4 * AR)
 
 
+def test_cost_governor_refreshes_its_ar_reference():
+    g = gv.CostGovernor(GovernorConfig(ar_refresh=16), ar_seconds=AR)
+    seen = feed(g, [(4, 4, 2.0)] * 16)
+    assert all(seen) and not g.drafting          # one AR round after 16 drafting rounds
+    feed(g, [(0, 0, 1.0)])
+    assert g.drafting and g.trips == 0
+
+
+def test_cost_governor_drops_a_stale_ar_reference():
+    # an AR time from a preempted round: drafting rounds then measure cheaper than AR
+    # rounds, which they cannot be, so the reference is measured again
+    g = gv.CostGovernor(GovernorConfig(ar_first=2, first_rounds=2), ar_seconds=5 * AR)
+    assert feed(g, [(0, 4, 2.0)] * 2) == [True, True]
+    assert not g.drafting and g.ar_seconds is None and g.trips == 0
+    assert feed(g, [(0, 0, 1.0), (0, 0, 1.0)]) == [False, False]
+    assert feed(g, [(0, 4, 2.0)]) == [True]
+    assert not g.drafting and g.trips == 1       # with a true AR time the useless draft trips
+
+
 def test_policy_for_modes_and_sampling():
     cfg = GovernorConfig()
     assert cfg.policy_for("spec", smp.GREEDY) == "cost"

@@ -36,6 +36,7 @@ class GovernorConfig:
     first_rounds: int = 2        # drafting rounds of a call before it may trip
     ar_first: int = 2            # AR rounds a call starts with when it has no AR time yet
     ar_samples: int = 8          # AR round times kept (their robust mean is the AR reference)
+    ar_refresh: int = 64         # drafting rounds before an AR round refreshes the reference
     backoff: int = 16            # AR tokens before the first re-probe
     backoff_growth: int = 4      # its factor per probe that trips within a window
     backoff_max: int = 512
@@ -143,7 +144,9 @@ class CostGovernor:
     or two.  It suspends below (1 - margin) of AR speed, runs `backoff` AR tokens, then
     re-probes with a cleared window; a probe that trips within a window multiplies the
     back-off by `backoff_growth` (up to backoff_max), one that lasts resets it.  A call
-    without an AR round time starts with `ar_first` AR rounds.
+    without an AR round time starts with `ar_first` AR rounds; an AR round refreshes the
+    reference every `ar_refresh` drafting rounds, and at once when a drafting round
+    measures cheaper than it (a busy machine can leave a stale, inflated AR time).
     """
 
     policy = "cost"
@@ -155,16 +158,20 @@ class CostGovernor:
         self.trips = self.resumes = 0
         self.suspended = False
         self.break_even = None       # alpha* of the last drafting round
+        self.cost = None             # its (k+1)c + v, AR tokens
         self.alpha_estimate = None
         self._failures = 0           # probes in a row that tripped within a window
         self._since_resume = 0       # drafting rounds since the last (re)start
         self._ar_left = 0            # AR tokens before the next probe
         self._accepted = self._proposed = self._spec_rounds = 0   # this call's totals
         self._ar_needed = 1 if self.ar_times else max(1, self.cfg.ar_first)
+        self._since_ar = 0           # drafting rounds since the last AR round
 
     @property
     def drafting(self) -> bool:
-        return len(self.ar_times) >= self._ar_needed and not self.suspended
+        if self.suspended or self._since_ar >= self.cfg.ar_refresh:
+            return False
+        return len(self.ar_times) >= self._ar_needed
 
     @property
     def ar_seconds(self):
@@ -173,6 +180,7 @@ class CostGovernor:
     def round(self, accepted: int, proposed: int, seconds: float):
         if proposed <= 0:
             self.ar_times.append(seconds)
+            self._since_ar = 0
             if self.suspended:
                 self._ar_left -= 1
                 if self._ar_left <= 0:
@@ -186,13 +194,20 @@ class CostGovernor:
         self._accepted += accepted
         self._proposed += proposed
         self._since_resume += 1
-        if self.ar_times and self._spec_rounds >= self.cfg.first_rounds and self.losing():
+        self._since_ar += 1
+        if not self.ar_times or self._spec_rounds < self.cfg.first_rounds:
+            return
+        if self.losing():
             self._suspend()
+        elif self.cost < 1.0:
+            # a drafting round does an AR round's work and more: the AR reference is stale
+            self.ar_times.clear()
+            self._ar_needed = max(1, self.cfg.ar_first)
 
     def losing(self) -> bool:
         """Whether the window's acceptance is below the break-even of its measured cost."""
         rounds = len(self.window)
-        cost = robust_mean([s for _, _, s in self.window]) / self.ar_seconds   # (k+1)c + v, AR tokens
+        self.cost = cost = robust_mean([s for _, _, s in self.window]) / self.ar_seconds   # (k+1)c + v
         proposed = sum(p for _, p, _ in self.window)
         k = proposed / rounds
         accepted = sum(a for a, _, _ in self.window)
