@@ -841,10 +841,8 @@ int spel_draft_propose(spel_draft *d, int32_t pending, int k, int32_t *out) {
 /* The worker drafts at the lowest priority (Linux SCHED_IDLE): on the CPU time the
  * target's threads leave, so the thread scheduling the target's pass never waits
  * behind it (measured: 1.90-1.97x -> 2.00-2.05x AR over three held-out texts).  A
- * caller that waits for an unfinished request lifts it back to normal, so a busy
- * machine cannot starve it.  A prompt's prefill runs the same way beside the target's
- * prefill: it takes only what the target leaves of the second core, and the wait
- * after the target's prefill finishes it at full speed. */
+ * caller that waits for an unfinished proposal lifts it back to normal, so a busy
+ * machine cannot starve it. */
 static void ahead_priority(pthread_t th, int idle) {
 #if defined(__linux__)
     struct sched_param sp = {0};
@@ -862,7 +860,8 @@ static void *ahead_main(void *arg) {
         while (!d->ahead.quit && !(d->ahead.busy && !d->ahead.ready)) pthread_cond_wait(&d->ahead.cv, &d->ahead.mu);
         if (d->ahead.quit) break;
         pthread_mutex_unlock(&d->ahead.mu);
-        ahead_priority(pthread_self(), 1);
+        /* a prefill runs beside the target's: at normal priority, it is on the critical path */
+        ahead_priority(pthread_self(), !d->ahead.prefill);
         int rc = d->ahead.prefill ? prefill(d, d->ahead.tokens, d->ahead.n_tokens)
                                   : propose_at(d, d->ahead.pending, d->ahead.k, d->ahead.start, d->ahead.guess,
                                                d->ahead.out);

@@ -94,7 +94,7 @@ int spel_draft_propose_at(spel_draft *d, int32_t pending, int k, int start, int 
 int spel_draft_propose_at_async(spel_draft *d, int32_t pending, int k, int start, int guess);
 /* feed and commit n tokens (from a committed state; the state spel_draft_forward and
  * spel_draft_commit leave over the same tokens, bit for bit) on the draft's own thread,
- * at the proposals' idle priority: a prompt's prefill beside the target's.  The tokens are copied;
+ * at normal priority: a prompt's prefill beside the target's.  The tokens are copied;
  * spel_draft_wait (out_tokens unused) gives its rc. */
 int spel_draft_prefill_async(spel_draft *d, const int32_t *tokens, int64_t n);
 int spel_draft_wait(spel_draft *d, int32_t *out_tokens);

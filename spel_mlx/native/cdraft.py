@@ -358,10 +358,9 @@ class CDraft:
         self._async = int(k) + (1 if guess else 0)
 
     def prefill_async(self, tokens) -> None:
-        """Feed and commit ``tokens`` (from a committed state: the state ``forward`` +
-        ``commit`` leave, bit for bit) on the draft's own native thread, at idle
-        priority like propose_at_async, and return at once; ``wait`` blocks until it is
-        done (lifting the thread to normal priority if it is not)."""
+        """Feed and commit ``tokens`` (from a committed state, in batches of the ring
+        size: the state ``forward`` + ``commit`` leave, bit for bit) on the draft's own
+        native thread, and return at once; ``wait`` blocks until it is done."""
         toks = self._tokens(tokens)
         self._check(lib.spel_draft_prefill_async(self._live(), _ptr("int32_t", toks), toks.shape[0]))
         self._async = 0
