@@ -295,3 +295,121 @@ def test_train_all_pipeline_runs_both_on_policy_rounds_and_resumes(tmp_path):
     pipeline.train_all(a)                                  # everything done: skips, re-exports
     assert open(tmp_path / "export" / "model.safetensors", "rb").read() == model
     assert os.path.getmtime(runs_dir / "onpolicy2.npy") == mtime
+
+
+# --- distillation for sampled decoding ------------------------------------------
+def _np_kl(t, d, temp):
+    def log_softmax(z):
+        z = z.astype(np.float64) / temp
+        z = z - z.max(-1, keepdims=True)
+        return z - np.log(np.exp(z).sum(-1, keepdims=True))
+    tl, dl = log_softmax(t), log_softmax(d)
+    return float(np.mean(np.sum(np.exp(tl) * (tl - dl), axis=-1)))
+
+
+def test_tempered_kl_matches_numpy_and_t1_is_the_plain_kl():
+    rng = np.random.default_rng(3)
+    t = (rng.standard_normal((2, 7, 64)) * 3).astype(np.float32)
+    d = (t + rng.standard_normal((2, 7, 64)) * 1.5).astype(np.float32)
+    tm, dm = mx.array(t), mx.array(d)
+    for temp in (0.5, 0.7, 2.0):
+        ref = _np_kl(t, d, temp)
+        assert float(steps.kl_target_draft(tm, dm, temp)) == pytest.approx(ref, rel=1e-5)
+        assert float(steps.distill_loss(tm, dm, temp)) == pytest.approx(ref, rel=1e-5)
+        mixed = 0.75 * ref + 0.25 * _np_kl(t, d, 1.0)
+        assert float(steps.distill_loss(tm, dm, temp, 0.25)) == pytest.approx(mixed, rel=1e-5)
+    assert abs(_np_kl(t, d, 0.7) - _np_kl(t, d, 1.0)) > 0.05       # the temperature matters here
+    # T = 1: the loss as it was before the temperature existed, bit for bit, whatever the weight
+    tl = tm - mx.logsumexp(tm, axis=-1, keepdims=True)
+    dl = dm - mx.logsumexp(dm, axis=-1, keepdims=True)
+    old = np.array(mx.mean(mx.sum(mx.exp(tl) * (tl - dl), axis=-1)))
+    for w in (0.0, 0.3, 1.0):
+        assert np.array_equal(np.array(steps.distill_loss(tm, dm, 1.0, w)), old)
+
+
+def test_draft_step_at_t1_is_the_old_step_and_a_temperature_changes_it():
+    params = init_params(TINY, seed=2)
+    params = copy_target_to_draft(TINY, dict(params))
+    names = [n for n in params if n.startswith("draft.")]
+    tr = {n: params[n] for n in names}
+    fr = {n: params[n] for n in params if n not in tr}
+    m = {n: mx.zeros_like(tr[n]) for n in names}
+    x = mx.array(np.random.default_rng(0).integers(0, 128, (2, 16)).astype(np.int32))
+
+    def run(**kw):
+        tc = config.TrainConfig(mode="draft", batch=2, seq=16, chunk=16, **kw)
+        out = steps.make_step(TINY, tc, names)(tr, fr, m, m, x, x, mx.array(1e-3), mx.array(1.0),
+                                                mx.array(1e9))
+        return np.array(out[0]), out[3]
+    loss0, p0 = run()
+    loss1, p1 = run(distill_temperature=1.0, distill_t1_weight=0.4)
+    assert np.array_equal(loss0, loss1) and all(np.array_equal(np.array(p0[n]), np.array(p1[n])) for n in names)
+    loss_t, _ = run(distill_temperature=0.7)
+    assert not np.array_equal(loss_t, loss0)
+
+
+def test_draft_run_starts_from_an_exported_model(tmp_path, target_run, data_dir):
+    """An exported folder as --init: its (float16) target and draft are the start
+    point, bit for bit; a tempered draft run from it logs its objective."""
+    from spel_mlx.checkpoints import load_checkpoint
+    trun, _ = target_run
+    d1 = str(tmp_path / "d1")
+    loop.train(d1, None, _tc(data_dir, mode="draft", init=trun, steps=4, lr=2e-3), tokenizer=ByteTokenizer(),
+               quiet=True)
+    folder = export.export_run(d1, str(tmp_path / "model"), dtype="float16", data_dir=data_dir,
+                               spelw_path=str(tmp_path / "m.spelw"))
+    shipped = load_checkpoint(folder).weights
+    d2 = str(tmp_path / "d2")
+    loop.train(d2, None, _tc(data_dir, mode="draft", init=folder, steps=1, lr=0.0, warmup=0),
+               tokenizer=ByteTokenizer(), quiet=True)
+    started = runs.load_checkpoint_dir(d2)[2]
+    assert set(started) == set(shipped)
+    for n in shipped:
+        assert np.array_equal(np.array(started[n]), shipped[n]), n
+    n = "draft.layers.1.mixer.wqkv.weight"      # the distilled draft, not copies of target layers
+    assert not np.array_equal(shipped[n], shipped["layers.1.mixer.wqkv.weight"])
+    d3 = str(tmp_path / "d3")
+    s = loop.train(d3, None, _tc(data_dir, mode="draft", init=folder, steps=6, lr=1e-3, distill_temperature=0.7,
+                                 distill_t1_weight=0.25), tokenizer=ByteTokenizer(), quiet=True)
+    assert s["heldout_objective"] > 0 and s["heldout_objective"] != s["heldout_kl"]
+    tuned = runs.load_checkpoint_dir(d3)[2]
+    assert all(np.array_equal(np.array(tuned[n]), shipped[n]) for n in shipped if not n.startswith("draft."))
+    with pytest.raises(config.TrainError, match="neither a run directory nor a loadable model"):
+        loop.train(str(tmp_path / "bad"), None, _tc(data_dir, mode="draft", init=str(tmp_path / "m.spelw") + "x"),
+                   tokenizer=ByteTokenizer(), quiet=True)
+    with pytest.raises(config.TrainError, match="distill-temperature"):
+        loop.train(str(tmp_path / "bad2"), None, _tc(data_dir, mode="draft", init=folder, distill_temperature=0.0),
+                   tokenizer=ByteTokenizer(), quiet=True)
+
+
+def test_onpolicy_windows_sampled_as_generate_defaults(tmp_path, target_run, data_dir):
+    """--sampling defaults: the sampled rows are ar decoding at T 0.7, top-p 0.95,
+    penalty 1.1 with a seed per row; --greedy-share 0.25: rows 0 and 4 greedy."""
+    from spel_mlx.model import SpelModel
+    from spel_mlx.decoding import SamplingParams, SpeculativeDecoder
+    trun, _ = target_run
+    out = str(tmp_path / "op.npy")
+    kw = dict(minutes=5, data_dir=data_dir, seq=32, prompt_len=8, max_rows=5, quiet=True, seed=3)
+    r = onpolicy.generate_onpolicy(trun, out, sampling="defaults", greedy_share=0.25, **kw)
+    rows = np.load(out)
+    assert r["rows"] == 5 and rows.shape == (5, 33)
+    _, cfg, params, _, _ = runs.load_checkpoint_dir(trun)
+    model = SpelModel.from_weights(cfg, dict(params))
+    greedy = SpeculativeDecoder(model, None, "ar")
+    train_tok = data.load_tokens(data_dir, ByteTokenizer(), "train")
+    rng = np.random.default_rng([3, 7])
+    for i, row in enumerate(rows):
+        s = int(rng.integers(0, len(train_tok) - 8))
+        assert np.array_equal(row[:8], train_tok[s:s + 8])
+        if i % 4 == 0:
+            assert greedy.generate(row[:8].tolist(), 25) == row[8:].tolist()
+            continue
+        p = SamplingParams(temperature=0.7, top_p=0.95, repetition_penalty=1.1, seed=int(rng.integers(0, 2 ** 62)))
+        assert SpeculativeDecoder(model, None, "ar", params=p).generate(row[:8].tolist(), 25) == row[8:].tolist()
+        assert greedy.generate(row[:8].tolist(), 25) != row[8:].tolist()      # sampled, not greedy
+    onpolicy.generate_onpolicy(trun, out + "2.npy", sampling="defaults", greedy_share=0.25, **kw)
+    assert np.array_equal(np.load(out + "2.npy"), rows)
+    with pytest.raises(config.TrainError, match="--sampling"):
+        onpolicy.generate_onpolicy(trun, out, sampling="hot", **kw)
+    with pytest.raises(config.TrainError, match="--greedy-share"):
+        onpolicy.generate_onpolicy(trun, out, greedy_share=1.5, **kw)

@@ -4,6 +4,8 @@
     python -m spel_mlx.train draft  --run runs/draft --init runs/target --budget-min 15
     python -m spel_mlx.train export --run runs/draft --out spel_mlx/assets/default
     python -m spel_mlx.train onpolicy --init runs/target --out runs/onpolicy.npy --minutes 6
+    python -m spel_mlx.train draft  --run runs/sampled --init spel_mlx/assets/default \
+                                    --onpolicy W.npy --distill-temperature 0.7
     python -m spel_mlx.train all    (corpus -> tokenizer -> target -> draft -> on-policy
                                      windows -> draft on them -> export; re-run to resume)
 
@@ -21,7 +23,7 @@ from ..config import ConfigError
 from .config import DEFAULT_SHAPE, TrainConfig, TrainError, model_config
 from .export import export_run
 from .loop import train
-from .onpolicy import generate_onpolicy
+from .onpolicy import SAMPLINGS, generate_onpolicy
 from .pipeline import train_all
 
 
@@ -58,7 +60,7 @@ def _parser() -> argparse.ArgumentParser:
     e.add_argument("--data", default="data/corpus")
     e.add_argument("--spelw", default="", help="where the FP32 SPELW001 file goes (default RUN/model.spelw)")
     g = sub.add_parser("onpolicy", help="target-generated windows for draft distillation (--onpolicy)")
-    g.add_argument("--init", required=True, help="the trained target run")
+    g.add_argument("--init", required=True, help="the trained target: a run directory or an exported model")
     g.add_argument("--out", required=True, help=".npy file to write")
     g.add_argument("--minutes", type=float, default=8.0)
     g.add_argument("--max-rows", type=int, default=0)
@@ -67,6 +69,10 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--seq", type=int, default=256)
     g.add_argument("--prompt-len", type=int, default=64)
     g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--sampling", choices=SAMPLINGS, default="t0.8",
+                   help="the sampled rows: t0.8 (T 0.8, top-p 0.95) or defaults (as generate: "
+                        "T 0.7, top-p 0.95, repetition penalty 1.1)")
+    g.add_argument("--greedy-share", type=float, default=0.5, help="share of the rows decoded greedily")
     al = sub.add_parser("all", help="corpus, tokenizer, target, draft and export in one go")
     al.add_argument("--runs", default="runs")
     al.add_argument("--data", default="data/corpus")
@@ -100,7 +106,8 @@ def _run(a) -> int:
         if not 1 <= a.prompt_len <= a.seq:
             raise TrainError(f"--prompt-len {a.prompt_len}: must be in 1..--seq ({a.seq})")
         print(json.dumps(generate_onpolicy(a.init, a.out, a.minutes, a.data, a.tokenizer, a.seq,
-                                           a.prompt_len, a.seed, a.max_rows)))
+                                           a.prompt_len, a.seed, a.max_rows, sampling=a.sampling,
+                                           greedy_share=a.greedy_share)))
     elif a.cmd == "export":
         print(export_run(a.run, a.out, a.dtype, data_dir=a.data, spelw_path=a.spelw))
     else:

@@ -53,6 +53,10 @@ class TrainConfig:
     # inputs
     data: str = "data/corpus"
     tokenizer: str = ""           # default: spel_mlx/assets/tokenizer.model
-    init: str = ""                # draft mode: the target run directory
+    init: str = ""                # draft mode: a target or draft run, or an exported model
     onpolicy: str = ""            # draft mode: .npy of target-generated windows [n, seq+1]
     onpolicy_frac: float = 0.5    # share of each draft batch drawn from them
+    # draft mode: the loss is KL(target_T || draft_T), logits divided by T, with
+    # distill_t1_weight of it the plain KL (T = 1); see steps.distill_loss
+    distill_temperature: float = 1.0
+    distill_t1_weight: float = 0.0

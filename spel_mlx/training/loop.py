@@ -18,7 +18,8 @@ from ..config import ModelConfig
 from ..model import copy_target_to_draft, init_params
 from .config import TrainConfig, TrainError
 from .data import batch_at, eval_windows, load_onpolicy_rows, load_tokens, mix_onpolicy
-from .runs import RunLog, has_checkpoint, load_checkpoint_dir, lock_run, save_checkpoint
+from .runs import (RunLog, has_checkpoint, load_checkpoint_dir, load_start, lock_run, save_checkpoint,
+                   start_tokenizer)
 from .schedule import Controller
 from .steps import make_eval, make_step
 
@@ -48,13 +49,13 @@ def _initial_params(cfg: ModelConfig | None, tc: TrainConfig):
             raise TrainError("target mode needs a model config")
         return cfg, init_params(cfg, tc.seed)
     if not tc.init:
-        raise TrainError("draft mode needs --init RUN_DIR (a trained target run)")
-    state_t, cfg_t, params_t, _, _ = load_checkpoint_dir(tc.init)
+        raise TrainError("draft mode needs --init (a trained target or draft run, or an exported model)")
+    kind, cfg_t, params_t = load_start(tc.init)
     if cfg is not None and cfg != cfg_t:
         raise TrainError(f"--config differs from the target run {tc.init}'s config")
-    # from a target run: draft layers start as copies of target layers; from
-    # a draft run: its distilled draft is trained further (e.g. on-policy)
-    params = dict(params_t) if state_t["train"]["mode"] == "draft" else \
+    # from a target run: draft layers start as copies of target layers; from a
+    # draft run or an exported model: its distilled draft is trained further
+    params = dict(params_t) if kind in ("draft", "export") else \
         copy_target_to_draft(cfg_t, dict(params_t))
     return cfg_t, params
 
@@ -63,7 +64,7 @@ def _inputs(cfg: ModelConfig, tc: TrainConfig, tokenizer):
     """(tokenizer, train tokens, held-out tokens, on-policy rows or None), checked."""
     if tokenizer is None:
         from ..tokenizer import load_tokenizer
-        tokenizer = load_tokenizer(cfg.vocab, tc.tokenizer or None)
+        tokenizer = load_tokenizer(cfg.vocab, tc.tokenizer or start_tokenizer(tc.init) or None)
     if tokenizer.vocab_size != cfg.vocab:
         raise TrainError(f"tokenizer has {tokenizer.vocab_size} pieces, model vocab is {cfg.vocab}")
     train_tok = load_tokens(tc.data, tokenizer, "train")
@@ -75,23 +76,29 @@ def _inputs(cfg: ModelConfig, tc: TrainConfig, tokenizer):
         if tc.mode != "draft":
             raise TrainError("--onpolicy data is for draft distillation")
         onpolicy_rows = load_onpolicy_rows(tc.onpolicy, tc.seq, cfg.vocab)
+    if tc.distill_temperature != 1.0 and tc.mode != "draft":
+        raise TrainError("--distill-temperature is for draft distillation")
+    if not (tc.distill_temperature > 0.0 and 0.0 <= tc.distill_t1_weight <= 1.0):
+        raise TrainError(f"--distill-temperature {tc.distill_temperature:g} must be > 0 and "
+                         f"--distill-t1-weight {tc.distill_t1_weight:g} in [0, 1]")
     return tokenizer, train_tok, held_tok, onpolicy_rows
 
 
 def _evaluate(eval_fn, params: dict, ex, ey, tc: TrainConfig, eval_bytes: int) -> dict:
-    """Held-out nats/token and bits/byte (draft: also KL and top-1 agreement)."""
-    tot, kl, ag = 0.0, 0.0, 0.0
+    """Held-out nats/token and bits/byte (draft: also KL, top-1 agreement and, with a
+    distillation temperature, the objective)."""
+    tot = np.zeros(4)
     eb = max(1, tc.batch)
     for i in range(0, len(ex), eb):
-        a, b, c = eval_fn(params, mx.array(ex[i:i + eb]), mx.array(ey[i:i + eb]))
-        mx.eval(a, b, c)
-        tot += a.item()
-        kl += b.item()
-        ag += c.item()
+        out = eval_fn(params, mx.array(ex[i:i + eb]), mx.array(ey[i:i + eb]))
+        mx.eval(*out)
+        tot += [o.item() for o in out]
     n = ex.size
-    r = {"heldout_nats": tot / n, "heldout_bpb": tot / math.log(2) / eval_bytes}
+    r = {"heldout_nats": tot[0] / n, "heldout_bpb": tot[0] / math.log(2) / eval_bytes}
     if tc.mode == "draft":
-        r.update({"heldout_kl": kl / n, "heldout_top1_agree": ag / n})
+        r.update({"heldout_kl": tot[1] / n, "heldout_top1_agree": tot[2] / n})
+        if tc.distill_temperature != 1.0:
+            r["heldout_objective"] = tot[3] / n
     return r
 
 
@@ -194,9 +201,13 @@ def train(run: str, cfg: ModelConfig | None, tc: TrainConfig, tokenizer=None,
                       f"lr {lr:.2e} gnorm {gn:.2f} {tps:.0f} tok/s ETA {_fmt_time(eta) if tps else '?'}{cs}")
         if step % tc.eval_every == 0 or step == tc.steps:
             r = _evaluate(eval_fn, {**frozen, **train_p}, ex, ey, tc, eval_bytes)
-            msg = ctl.observe_eval(tc, step, r["heldout_nats"] if tc.mode == "target" else r["heldout_kl"])
+            # the plateau detector watches what the run minimizes
+            watched = r["heldout_nats"] if tc.mode == "target" else r.get("heldout_objective", r["heldout_kl"])
+            msg = ctl.observe_eval(tc, step, watched)
             extra = (f" KL {r['heldout_kl']:.4f} top-1 agree {r['heldout_top1_agree']:.3f}"
                      if tc.mode == "draft" else "")
+            if "heldout_objective" in r:
+                extra += f" objective (T {tc.distill_temperature:g}) {r['heldout_objective']:.4f}"
             log.event({"event": "eval", "step": step, **r},
                       f"[{tc.mode}] eval step {step}: held-out {r['heldout_nats']:.4f} nats/token "
                       f"{r['heldout_bpb']:.4f} bits/byte{extra}")

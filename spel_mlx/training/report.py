@@ -1,7 +1,8 @@
 """Quality report of an exported model: held-out loss (nats/token, bits/byte) of
-the target and of the quantized draft, target/draft top-1 agreement, greedy
-speculative acceptance alpha at K on held-out prompts (the real C draft through
-``spel_mlx.generate``), and sample continuations.
+the target and of the quantized draft, target/draft top-1 agreement, KL and
+distribution overlap at T 0.7 (teacher-forced), greedy speculative acceptance alpha
+at K on held-out prompts (the real C draft through ``spel_mlx.generate``), and
+sample continuations.
 
     python -m spel_mlx.train_report [--checkpoint spel_mlx/assets/default] [--data data/corpus]
 """
@@ -22,7 +23,9 @@ from .._cli import guarded
 from ..atomic import write_json
 from ..checkpoints.load import DEFAULT_DIR
 from .data import eval_windows
+from .steps import kl_target_draft
 
+SAMPLED_T = 0.7   # generate's default temperature: the tempered figures of heldout_eval
 SAMPLE_PROMPTS = ("It is a truth universally acknowledged, that",
                   "And God said unto Moses,",
                   "Elizabeth was")
@@ -52,9 +55,13 @@ def heldout_eval(ckpt_path: str, data_dir: str, seq: int = 256, max_tokens: int 
         d_nll = -mx.sum(mx.take_along_axis(dls, yb[..., None], axis=-1))
         kl = mx.sum(mx.exp(tls) * (tls - dls))
         agree = mx.sum(mx.argmax(tl, axis=-1) == mx.argmax(dl, axis=-1))
-        return t_nll, d_nll, kl, agree
+        n = tl.shape[0] * tl.shape[1]
+        kl_t = kl_target_draft(tl, dl, SAMPLED_T) * n
+        # sum_x min(p_T, q_T): the residual rule's acceptance without top-p and penalty
+        overlap = mx.sum(mx.minimum(mx.softmax(tl / SAMPLED_T, axis=-1), mx.softmax(dl / SAMPLED_T, axis=-1)))
+        return t_nll, d_nll, kl, agree, kl_t, overlap
 
-    tot = np.zeros(4)
+    tot = np.zeros(6)
     for i in range(0, n, 4):
         r = ev(mx.array(x[i:i + 4]), mx.array(y[i:i + 4]))
         mx.eval(*r)
@@ -65,6 +72,7 @@ def heldout_eval(ckpt_path: str, data_dir: str, seq: int = 256, max_tokens: int 
             "target_nats_per_token": tot[0] / ntok, "target_bits_per_byte": tot[0] / math.log(2) / nbytes,
             "draft_nats_per_token": tot[1] / ntok, "draft_bits_per_byte": tot[1] / math.log(2) / nbytes,
             "kl_target_draft": tot[2] / ntok, "top1_agreement": tot[3] / ntok,
+            f"kl_target_draft_t{SAMPLED_T:g}": tot[4] / ntok, f"overlap_t{SAMPLED_T:g}": tot[5] / ntok,
             "stored_dtype": ck.stored_dtype}
 
 

@@ -75,6 +75,27 @@ def load_checkpoint_dir(run: str):
     return state, cfg, params, m, v
 
 
+def load_start(path: str):
+    """(kind, cfg, params) of what a draft run or on-policy windows start from: a run
+    directory (kind: its mode, "target" or "draft") or an exported model, a safetensors
+    folder or a SPELW001 file (kind "export": its target and draft as shipped)."""
+    if has_checkpoint(path) or (os.path.isdir(path) and not os.path.exists(os.path.join(path, "config.json"))):
+        state, cfg, params, _, _ = load_checkpoint_dir(path)   # names ckpt/state.json when missing
+        return state["train"]["mode"], cfg, params
+    from ..checkpoints import CheckpointError, load_checkpoint
+    try:
+        ck = load_checkpoint(path)
+    except (CheckpointError, OSError) as e:
+        raise TrainError(f"{path}: neither a run directory nor a loadable model ({e})") from None
+    return "export", ck.cfg, {n: mx.array(w) for n, w in ck.weights.items()}
+
+
+def start_tokenizer(path: str) -> str:
+    """The tokenizer an exported model folder carries (its tokenizer.model), else ""."""
+    tp = os.path.join(path, "tokenizer.model")
+    return tp if path and os.path.isdir(path) and os.path.exists(tp) else ""
+
+
 def lock_run(run: str):
     """An exclusive lock on RUN/lock so two processes never train one run directory."""
     import fcntl

@@ -15,11 +15,26 @@ def cross_entropy(logits, targets):
     return mx.mean(lse - picked)
 
 
-def kl_target_draft(t_logits, d_logits):
-    """mean KL(target || draft) per position, in nats."""
+def kl_target_draft(t_logits, d_logits, temperature: float = 1.0):
+    """mean KL(target_T || draft_T) per position, in nats: both logits divided by T
+    (T = 1: the plain KL, computed without the division)."""
+    if temperature != 1.0:
+        t_logits, d_logits = t_logits / temperature, d_logits / temperature
     tl = t_logits - mx.logsumexp(t_logits, axis=-1, keepdims=True)
     dl = d_logits - mx.logsumexp(d_logits, axis=-1, keepdims=True)
     return mx.mean(mx.sum(mx.exp(tl) * (tl - dl), axis=-1))
+
+
+def distill_loss(t_logits, d_logits, temperature: float = 1.0, t1_weight: float = 0.0):
+    """The draft's objective: KL at the distillation temperature T (sampled decoding's
+    distribution), with `t1_weight` of it replaced by the plain KL (greedy's anchor);
+    at T = 1 exactly kl_target_draft, whatever the weight."""
+    if temperature == 1.0:
+        return kl_target_draft(t_logits, d_logits)
+    kl_t = kl_target_draft(t_logits, d_logits, temperature)
+    if t1_weight == 0.0:
+        return kl_t
+    return (1.0 - t1_weight) * kl_t + t1_weight * kl_target_draft(t_logits, d_logits)
 
 
 def _forward(cfg: ModelConfig, chunk: int):
@@ -47,7 +62,7 @@ def make_step(cfg: ModelConfig, tc: TrainConfig, trainable_names: list):
         def loss_fn(train, frozen, x, y):
             p = {**frozen, **train}
             t_logits = mx.stop_gradient(forward(p, x, "target"))
-            return kl_target_draft(t_logits, forward(p, x, "draft"))
+            return distill_loss(t_logits, forward(p, x, "draft"), tc.distill_temperature, tc.distill_t1_weight)
 
     vg = mx.value_and_grad(loss_fn)
 
@@ -76,7 +91,8 @@ def make_step(cfg: ModelConfig, tc: TrainConfig, trainable_names: list):
 
 
 def make_eval(cfg: ModelConfig, tc: TrainConfig):
-    """Compiled held-out evaluation: (params, x, y) -> (sum NLL, [KL sum, agree count])."""
+    """Compiled held-out evaluation: (params, x, y) -> (sum NLL, [KL sum, agree count,
+    distillation objective sum]); the objective is the KL itself at T = 1."""
     forward = _forward(cfg, tc.chunk)
 
     def ev(p, x, y):
@@ -84,14 +100,17 @@ def make_eval(cfg: ModelConfig, tc: TrainConfig):
             lg = forward(p, x, "target")
             lse = mx.logsumexp(lg, axis=-1)
             nll = lse - mx.take_along_axis(lg, y[..., None], axis=-1)[..., 0]
-            return mx.sum(nll), mx.array(0.0), mx.array(0.0)
+            return mx.sum(nll), mx.array(0.0), mx.array(0.0), mx.array(0.0)
         tl = forward(p, x, "target")
         dl = forward(p, x, "draft")
         lse = mx.logsumexp(dl, axis=-1)
         nll = lse - mx.take_along_axis(dl, y[..., None], axis=-1)[..., 0]
-        kl = kl_target_draft(tl, dl) * tl.shape[0] * tl.shape[1]
+        n = tl.shape[0] * tl.shape[1]
+        kl = kl_target_draft(tl, dl) * n
         agree = mx.sum(mx.argmax(tl, axis=-1) == mx.argmax(dl, axis=-1))
-        return mx.sum(nll), kl, agree
+        objective = kl if tc.distill_temperature == 1.0 else \
+            distill_loss(tl, dl, tc.distill_temperature, tc.distill_t1_weight) * n
+        return mx.sum(nll), kl, agree, objective
 
     return mx.compile(ev)
 
