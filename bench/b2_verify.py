@@ -56,7 +56,7 @@ def prefilled_state(model, prompt, ring: int):
 
 
 def run(job: dict, regime: dict) -> list:
-    cfg, name = regime["cfg"], regime["name"]
+    name = regime["name"]
     Ks = [k for k in job["b2_K"] if 1 <= k <= 16]
     reps = max(1, job["b2_repeats"])
     rows = []

@@ -160,7 +160,7 @@ def run(job: dict, regime: dict) -> list:
     import spel_mlx  # noqa: F401
     from spel_mlx.decoding import make_proposer
 
-    cfg, name = regime["cfg"], regime["name"]
+    name = regime["name"]
     K, warm, gen, prompt = job["K"], job["warm"], job["gen"], regime["prompt"]
     threads = [t for t in job["threads"] if 1 <= t <= 6]
     rows = []
@@ -185,7 +185,7 @@ def run(job: dict, regime: dict) -> list:
 
 
 def run_target_placement(job, regime, tgt_label, tgt_dev, K, warm, gen, prompt, threads, make_proposer):
-    name, cfg = regime["name"], regime["cfg"]
+    name = regime["name"]
     rows = []
     model = get_model(regime)
     st, _ = decode(model, None, "ar", K, prompt, warm, gen)

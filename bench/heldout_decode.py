@@ -39,8 +39,6 @@ from spel_mlx.checkpoints import load_checkpoint
 from spel_mlx.model import SpelModel
 from spel_mlx.tokenizer import load_tokenizer
 
-import mlx.core as mx  # noqa: E402
-
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench import peers  # noqa: E402
 

@@ -15,6 +15,35 @@ from .tables import (b1_section, b2_section, b2ctx_section, b3_section, findings
                      placement_section, problems_section, regime_section)
 
 
+def _sections(results, head_table) -> list:
+    """(section key, title, intro, body) of the report's sections, in order."""
+    return [
+        ("b3", "Headline", "", lambda: head_table + "\n\n" + findings(results)),
+        ("b1", "B1: kernels", "", lambda: b1_section(results)),
+        ("b2", "B2: verification cost v at M = K+1", "", lambda: b2_section(results)),
+        ("b2ctx", "B2 by context: the target at real context lengths",
+         "Per regime, one process, calls interleaved round by round: `v(M)` = one M-row "
+         "target pass / one AR pass at the same context (fast mode, nothing committed); AR "
+         "decode tok/s through the decoding loop (`--mode ar`); prefill throughput of `ar` "
+         "and `spec` beside mlx-lm's; `--draft ngram` on a long repetitive document. "
+         "`python -m bench --sections b2ctx --regimes shipped,21m` reruns it alone.",
+         lambda: b2ctx_section(results)),
+        ("b3", "B3: decode, with the cost model beside every speculative row",
+         "`× AR (measured)` divides the row's tok/s by the AR row of the same process run; "
+         "`× AR (cost model)` evaluates the formula with the row's own alpha, c and v "
+         "(governed: speculative and AR rounds weighted by their counts). The gap between "
+         "the two is what the model leaves out: Python round overhead, argmax, commits.",
+         lambda: b3_section(results)),
+        ("placement", "Placement calibration (`--placement auto`)",
+         "`spel_mlx.decoding.placement.calibrate_placement` times one AR token, one K+1 verification "
+         "and one draft token per placement and ranks by the round cost `(K+1)·c + v` "
+         "(the cost model's denominator: the order is the same at every alpha). Rank is "
+         "per process run; the median is shown.",
+         lambda: placement_section(results)),
+        ("peers", "Peers (mlx-lm, same shapes, random weights)", "", lambda: peers_section(results)),
+    ]
+
+
 def render(results, plots=(), plot_note="", md_dir=".") -> str:
     p = results["params"]
     mach = results.get("machine", {})
@@ -49,58 +78,9 @@ def render(results, plots=(), plot_note="", md_dir=".") -> str:
     L.append("")
     L.append(regime_section(results))
     L.append("")
-    if "b3" in ran:
-        L.append("## Headline")
-        L.append("")
-        L.append(head_table)
-        L.append("")
-        L.append(findings(results))
-        L.append("")
-    if "b1" in ran:
-        L.append("## B1: kernels")
-        L.append("")
-        L.append(b1_section(results))
-        L.append("")
-    if "b2" in ran:
-        L.append("## B2: verification cost v at M = K+1")
-        L.append("")
-        L.append(b2_section(results))
-        L.append("")
-    if "b2ctx" in ran:
-        L.append("## B2 by context: the target at real context lengths")
-        L.append("")
-        L.append("Per regime, one process, calls interleaved round by round: `v(M)` = one M-row "
-                 "target pass / one AR pass at the same context (fast mode, nothing committed); AR "
-                 "decode tok/s through the decoding loop (`--mode ar`); prefill throughput of `ar` "
-                 "and `spec` beside mlx-lm's; `--draft ngram` on a long repetitive document. "
-                 "`python -m bench --sections b2ctx --regimes shipped,21m` reruns it alone.")
-        L.append("")
-        L.append(b2ctx_section(results))
-        L.append("")
-    if "b3" in ran:
-        L.append("## B3: decode, with the cost model beside every speculative row")
-        L.append("")
-        L.append("`× AR (measured)` divides the row's tok/s by the AR row of the same process run; "
-                 "`× AR (cost model)` evaluates the formula with the row's own alpha, c and v "
-                 "(governed: speculative and AR rounds weighted by their counts). The gap between "
-                 "the two is what the model leaves out: Python round overhead, argmax, commits.")
-        L.append("")
-        L.append(b3_section(results))
-    if "placement" in ran:
-        L.append("## Placement calibration (`--placement auto`)")
-        L.append("")
-        L.append("`spel_mlx.decoding.placement.calibrate_placement` times one AR token, one K+1 verification "
-                 "and one draft token per placement and ranks by the round cost `(K+1)·c + v` "
-                 "(the cost model's denominator: the order is the same at every alpha). Rank is "
-                 "per process run; the median is shown.")
-        L.append("")
-        L.append(placement_section(results))
-        L.append("")
-    if "peers" in ran:
-        L.append("## Peers (mlx-lm, same shapes, random weights)")
-        L.append("")
-        L.append(peers_section(results))
-        L.append("")
+    for key, title, intro, body in _sections(results, head_table):
+        if key in ran:
+            L += [f"## {title}", ""] + ([intro, ""] if intro else []) + [body(), ""]
     L.append("## Plots")
     L.append("")
     if plot_note:

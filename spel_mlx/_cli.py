@@ -18,16 +18,30 @@ def internal_error(prog: str, exc: BaseException, note: str = "") -> int:
     return 3
 
 
-def guarded(body, errors: tuple, prog: str = "", interrupted: str = "interrupted") -> int:
+def guarded(body, errors: tuple, prog: str = "", interrupted: str = "interrupted",
+            internal: str | None = None) -> int:
     """Run ``body()`` and return its exit status. An expected error (one of ``errors``)
     becomes ``PROG: error: ...`` on stderr and status 2; Ctrl-C becomes ``interrupted``
-    and 130: a user mistake or an interruption is one line, never a traceback."""
+    and 130: a user mistake or an interruption is one line, never a traceback.
+    ``internal`` (a note, may be ""): any other exception is an internal error, exit 3."""
     prefix = f"{prog}: " if prog else ""
     try:
         return body()
     except errors as e:
-        print(f"{prefix}error: {e}", file=sys.stderr)
+        print(f"{prefix}error: {_describe(e)}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print(f"{prefix}{interrupted}", file=sys.stderr)
         return 130
+    except Exception as e:  # noqa: BLE001 - reported as one line (SPEL_DEBUG=1 re-raises)
+        if internal is None:
+            raise
+        return internal_error(prog, e, internal)
+
+
+def _describe(e: BaseException) -> str:
+    """An OS error as "path: reason" (its errno text), anything else as its message."""
+    if isinstance(e, OSError) and e.strerror:
+        return f"{e.filename}: {e.strerror}" if e.filename else e.strerror
+    return str(e)
+

@@ -17,7 +17,7 @@ import argparse
 import os
 import sys
 
-from ._cli import internal_error
+from ._cli import guarded
 from .config import ConfigError
 from .checkpoints import CheckpointError, Progress
 
@@ -105,23 +105,15 @@ def main(argv=None) -> int:
     ap.add_argument("--quiet", action="store_true")
     ap.add_argument("--force", action="store_true", help="replace an existing destination")
     a = ap.parse_args(argv)
-    try:
-        what = convert(a.src, a.dst, a.dtype, progress=not a.quiet, force=a.force)
-    except (CheckpointError, ConfigError, ValueError) as e:
-        print(f"convert: error: {e}", file=sys.stderr)
-        return 2
-    except OSError as e:
-        print(f"convert: error: {e.filename or a.dst}: {e.strerror or e}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        print("convert: interrupted (no output written)", file=sys.stderr)
-        return 130
-    except Exception as e:  # one line, no traceback (SPEL_DEBUG=1 re-raises)
-        return internal_error("convert", e, " (no output written)")
+    return guarded(lambda: _run(a), (CheckpointError, ConfigError, ValueError, OSError), "convert",
+                   "interrupted (no output written)", internal=" (no output written)")
+
+
+def _run(a) -> int:
+    what = convert(a.src, a.dst, a.dtype, progress=not a.quiet, force=a.force)
     if not a.quiet:
         print(f"convert: {what}: {a.src} -> {a.dst}", file=sys.stderr)
     return 0
-
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -21,7 +21,7 @@ import sys
 
 import numpy as np
 
-from ._cli import internal_error
+from ._cli import guarded
 from .config import ConfigError, ModelConfig, resolve_config
 from .layout import TensorSpec, tensor_specs
 from .checkpoints import CheckpointError, Golden, Progress, SpelwWriter, read_spelw
@@ -87,31 +87,23 @@ def main(argv=None) -> int:
                     help="FP32 target for the golden logits: the MLX model (default) or the numpy forward")
     ap.add_argument("--quiet", action="store_true")
     a = ap.parse_args(argv)
-    try:
-        cfg = resolve_config(a.preset, a.config)
-        if not (1 <= a.golden_n <= cfg.max_seq):
-            raise ConfigError(f"--golden-n={a.golden_n}: must be in 1..max_seq={cfg.max_seq}")
-        if a.seed < 0:
-            raise ConfigError(f"--seed={a.seed}: must be >= 0")
-        check_memory(cfg, a.out)
-        info = write_synth(a.out, cfg, a.seed, a.golden_n, a.draft, progress=not a.quiet, target=a.target)
-    except (ConfigError, CheckpointError, ValueError) as e:
-        print(f"synth: error: {e}", file=sys.stderr)
-        return 2
-    except OSError as e:
-        print(f"synth: error: {a.out}: {e.strerror or e}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        print("synth: interrupted (no output written)", file=sys.stderr)
-        return 130
-    except Exception as e:  # one line, no traceback (SPEL_DEBUG=1 re-raises)
-        return internal_error("synth", e, " (no output written)")
+    return guarded(lambda: _run(a), (ConfigError, CheckpointError, ValueError, OSError), "synth",
+                   "interrupted (no output written)", internal=" (no output written)")
+
+
+def _run(a) -> int:
+    cfg = resolve_config(a.preset, a.config)
+    if not (1 <= a.golden_n <= cfg.max_seq):
+        raise ConfigError(f"--golden-n={a.golden_n}: must be in 1..max_seq={cfg.max_seq}")
+    if a.seed < 0:
+        raise ConfigError(f"--seed={a.seed}: must be >= 0")
+    check_memory(cfg, a.out)
+    info = write_synth(a.out, cfg, a.seed, a.golden_n, a.draft, progress=not a.quiet, target=a.target)
     if not a.quiet:
         b = info.get("golden") or {}
         print(f"wrote {a.out}: {os.path.getsize(a.out)} bytes, target {cfg.target_params():,} params, "
               f"draft {cfg.draft_params():,} params, golden target={b.get('target')} draft={b.get('draft')}")
     return 0
-
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -18,7 +18,7 @@ import sys
 
 import numpy as np
 
-from ._cli import internal_error
+from ._cli import guarded
 from .config import ConfigError, resolve_config
 from .checkpoints import CheckpointError
 
@@ -99,18 +99,9 @@ def main(argv=None) -> int:
     ap.add_argument("--target", choices=("mlx", "numpy"), default="mlx",
                     help="FP32 target: the MLX model (default) or the numpy forward")
     a = ap.parse_args(argv)
-    try:
-        ok = verify(a.file, a.config, a.draft, target_backend=a.target)
-    except (CheckpointError, ConfigError, ValueError) as e:   # ValueError: the C draft refusing weights
-        print(f"verify_weights: error: {e}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        print("verify_weights: interrupted", file=sys.stderr)
-        return 130
-    except Exception as e:  # one line, no traceback (SPEL_DEBUG=1 re-raises)
-        return internal_error("verify_weights", e, "")
-    return 0 if ok else 1
-
+    # ValueError: the C draft refusing weights
+    return guarded(lambda: 0 if verify(a.file, a.config, a.draft, target_backend=a.target) else 1,
+                   (CheckpointError, ConfigError, ValueError), "verify_weights", internal="")
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -13,7 +13,6 @@ import subprocess
 import sys
 import time
 
-import numpy as np
 import pytest
 
 import spel_mlx  # noqa: F401

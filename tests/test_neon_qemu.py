@@ -3,7 +3,6 @@ aarch64-linux-gnu-gcc and run under qemu-aarch64.  dotprod, addsub and scalar mu
 return identical int32 dots, the quantizers must match numpy bit for bit, and the
 whole draft step must give identical logits with every kernel and thread count (and
 agree with the x86 build).  CI sets SPEL_REQUIRE_CROSS=1 so none of this skips."""
-import os
 import shutil
 import struct
 import subprocess

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 import spel_mlx  # noqa: F401
-from spel_mlx.checkpoints import CheckpointError, Golden, spelw
+from spel_mlx.checkpoints import CheckpointError, Golden
 from spel_mlx.checkpoints.footer import FOOTER_MAGIC, footer_nbytes
 from spel_mlx.checkpoints.spelw import HEADER_SIZE, header_bytes, parse_header, read_header, read_spelw, write_spelw
 from spel_mlx.config import LIMITS, MAX_INNER, PRESETS, ModelConfig

@@ -7,11 +7,12 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-from ..decoding import MODES, PROPOSER_KINDS, DecodeError, GovernorConfig, SamplingParams, SpeculativeDecoder
+# SamplingParams, checked_prompt and DEFAULT_ACCEPT are re-exported: generation.py reaches decoding only here
+from ..decoding import MODES, PROPOSER_KINDS, DecodeError, GovernorConfig, SamplingParams, SpeculativeDecoder  # noqa: F401
 from ..decoding.ahead import usable_cpus
 from ..decoding.factory import default_draft_threads, make_proposer
-from ..decoding.loop import MAX_K, checked_prompt
-from ..decoding.sampling import DEFAULT_ACCEPT, SamplingError  # noqa: F401  (DEFAULT_ACCEPT: generation)
+from ..decoding.loop import MAX_K, checked_prompt  # noqa: F401
+from ..decoding.sampling import DEFAULT_ACCEPT, SamplingError  # noqa: F401
 from ..model.backends import device_scope
 from ..native import clib
 
