@@ -186,7 +186,8 @@ def needs_c_draft():
 
 GREEDY = dict(prompt=PROMPT, max_tokens=40, temperature=0)
 SAMPLED = dict(prompt=PROMPT, max_tokens=40, temperature=0.8, top_p=0.9, seed=11)
-MODES = [dict(GREEDY, mode="ar"), dict(GREEDY, mode="spec", draft="c"), dict(GREEDY, mode="governed", draft="c"),
+# raw speculation where a row checks that the draft got tokens accepted (a timed governor may not draft)
+MODES = [dict(GREEDY, mode="ar"), dict(GREEDY, mode="spec", draft="c", governor="off"), dict(GREEDY, mode="governed", draft="c"),
          dict(GREEDY, mode="spec", draft="ngram", k=3), dict(GREEDY, mode="spec", draft="c", strict=True),
          dict(SAMPLED, mode="ar"), dict(SAMPLED, mode="spec", draft="c", accept="residual"),
          dict(SAMPLED, mode="spec", draft="c", accept="coupled"), dict(SAMPLED, mode="spec", draft="ngram")]

@@ -4,7 +4,8 @@
         -m spel_mlx.distributed --checkpoint m.spelw --requests reqs.json
 
 reqs.json: a list of objects, each ``prompt`` (text or token ids), ``max_tokens``
-and any option of ``spel_mlx.api.prepare`` (mode, draft, k, temperature, seed, ...).
+and any option of ``spel_mlx.api.prepare`` (mode, draft, k, temperature, seed, ...;
+``governor`` by its policy name: cost, original or off).
 Rank 0 prints, per request, {"index", "tokens", "stats", "ranks", "round_median_s"}:
 the tokens, the decoder's statistics, every rank's counters for that request
 (compute, prefill, communication) and the median time between two rounds' responses
@@ -21,12 +22,15 @@ import time
 import numpy as np
 
 from ..api import NoCheckpoint, prepare
+from ..decoding import GovernorConfig
 from . import PipelineError, open_pipeline, serve
 
 
 def run_request(model, tokenizer, spec: dict) -> dict:
     """One request of the batch: {"tokens", "stats", "round_median_s"}."""
     spec = dict(spec)
+    if isinstance(spec.get("governor"), str):      # JSON names the policy: cost | original | off
+        spec["governor"] = GovernorConfig(policy=spec["governor"])
     request = prepare(model, tokenizer, spec.pop("prompt"), spec.pop("max_tokens"), **spec)
     tokens, stamps = [], []
 
