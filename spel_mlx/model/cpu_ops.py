@@ -11,11 +11,14 @@ from __future__ import annotations
 
 import mlx.core as mx
 
+from ..cpu_features import simd_cap
 from .ops import MLXOps
 
 try:
     from .. import _spel_cpu
     _IMPORT_ERROR = ""
+    if simd_cap() not in ("auto", "avx512"):
+        _spel_cpu.set_simd_level(simd_cap())
 except ImportError as e:          # not built (no compiler at install, non-Linux)
     _spel_cpu = None
     _IMPORT_ERROR = str(e)

@@ -14,6 +14,7 @@ import os
 import numpy as np
 
 from ..config import ModelConfig
+from ..cpu_features import simd_cap
 from .clib import ffi, lib
 from .clib import require as _lib
 
@@ -30,7 +31,8 @@ def kernel_id(kernel) -> int:
     if isinstance(kernel, (int, np.integer)):
         return int(kernel)
     if kernel in (None, "auto"):
-        return -1
+        cap = simd_cap()
+        return KERNELS.index("scalar") if cap == "none" else KERNELS.index("avx2") if cap == "avx2" else -1
     if kernel not in KERNELS:
         raise ValueError(f"kernel {kernel!r}: expected auto or one of {', '.join(KERNELS)}")
     return KERNELS.index(kernel)

@@ -1,0 +1,19 @@
+"""SPEL_SIMD: cap the SIMD level of the C and C++ kernels, to measure or run the paths
+of CPUs without AVX-512 (or without SIMD) on a machine that has it.
+
+    SPEL_SIMD=auto     the best the CPU has (default)
+    SPEL_SIMD=avx2     no AVX-512: the target's products go to BLAS, the draft uses its AVX2 kernel
+    SPEL_SIMD=none     the scalar references everywhere
+"""
+from __future__ import annotations
+
+import os
+
+LEVELS = ("auto", "avx512", "avx2", "none")
+
+
+def simd_cap() -> str:
+    level = os.environ.get("SPEL_SIMD", "auto").strip().lower() or "auto"
+    if level not in LEVELS:
+        raise ValueError(f"SPEL_SIMD={level!r}: expected one of {', '.join(LEVELS)}")
+    return level
