@@ -39,28 +39,28 @@ def useless_call(g, tokens):
 def test_cost_governor_starts_with_ar_rounds_then_drafts():
     g = gv.CostGovernor(GovernorConfig(ar_first=2))
     assert feed(g, [(0, 0, 1.0), (0, 0, 1.0), (4, 4, 2.0)]) == [False, False, True]
-    seeded = gv.CostGovernor(GovernorConfig(ar_first=2), ar_seconds=AR)
+    seeded = gv.CostGovernor(GovernorConfig(ar_first=2), memory=gv.GovernorMemory(AR))
     assert seeded.drafting                      # an AR time from an earlier call suffices
 
 
 def test_cost_governor_break_even_is_the_cost_model():
     # rounds of K=4 costing 2 AR tokens: alpha* = (2 (1 - margin) - 1) / 4
     cfg = GovernorConfig(margin=0.1, first_rounds=1)
-    g = gv.CostGovernor(cfg, ar_seconds=AR)
+    g = gv.CostGovernor(cfg, memory=gv.GovernorMemory(AR))
     feed(g, [(3, 4, 2.0)])
     assert g.break_even == pytest.approx((2.0 * 0.9 - 1.0) / 4)
     # the window's acceptance shrinks towards the call's, which shrinks towards prior_alpha
     call = (3 + 4 * 0.5) / (4 + 4)
     assert g.alpha_estimate == pytest.approx((3 + 2 * 4 * call) / (4 + 2 * 4))
     # the same acceptance at a higher cost trips: alpha* = (4 * 0.9 - 1) / 4 = 0.65
-    h = gv.CostGovernor(cfg, ar_seconds=AR)
+    h = gv.CostGovernor(cfg, memory=gv.GovernorMemory(AR))
     feed(h, [(2, 4, 4.0)])
     assert not h.drafting and h.trips == 1
 
 
 def test_cost_governor_suspends_a_useless_draft_and_backs_off():
     cfg = GovernorConfig(first_rounds=2, backoff=16, backoff_growth=4, backoff_max=512)
-    g = gv.CostGovernor(cfg, ar_seconds=AR)
+    g = gv.CostGovernor(cfg, memory=gv.GovernorMemory(AR))
     pattern = useless_call(g, 400)
     runs = [len(r) for r in pattern.split("d") if r]
     drafted = [len(r) for r in pattern.split(".") if r]
@@ -71,8 +71,48 @@ def test_cost_governor_suspends_a_useless_draft_and_backs_off():
     assert pattern.count("d") / len(pattern) < 0.02
 
 
+def test_cost_governor_carries_a_useless_drafts_backoff_into_the_next_call():
+    cfg = GovernorConfig(first_rounds=2, backoff=16, backoff_growth=4, backoff_max=512, carry_backoff=64)
+    first = gv.CostGovernor(cfg, memory=gv.GovernorMemory(AR))
+    assert useless_call(first, 256).count("d") == 4      # 2 rounds, then probes at 16, 64
+    memory = first.memory()
+    assert memory.backoff_left > 0 and memory.failures == 2 and memory.ar_seconds == pytest.approx(AR)
+    later = gv.CostGovernor(cfg, memory=memory)
+    pattern = useless_call(later, 256)
+    # the next call probes once, after the carried back-off capped at 64 AR tokens
+    assert pattern.index("d") == 64 and pattern.count("d") == 1
+    assert later.trips == 1 and later.memory().backoff_left > 0
+    # negative control: without the memory the same call probes three times
+    assert useless_call(gv.CostGovernor(cfg, memory=gv.GovernorMemory(AR)), 256).count("d") == 4
+
+
+def test_cost_governor_carries_nothing_from_a_call_where_the_draft_paid():
+    cfg = GovernorConfig(first_rounds=2, backoff=16)
+    g = gv.CostGovernor(cfg, memory=gv.GovernorMemory(AR))
+    feed(g, [(4, 4, 2.0)] * 20 + [(0, 4, 2.0)] * 8)      # tripped once, at the end of a good call
+    assert g.suspended and g.trips == 1
+    memory = g.memory()
+    assert memory.backoff_left == 0 and memory.failures == 0
+    assert gv.CostGovernor(cfg, memory=memory).drafting   # the next call drafts at once
+    assert gv.Governor(cfg).memory() == gv.GovernorMemory()   # the original's rule: per call
+
+
+def test_decoder_leaves_the_governor_memory_on_its_proposer(monkeypatch):
+    model = ToyModel(draft_noise=0.3, seed=5)
+    prompts = toy_prompts(12, 2, seed=2)
+    draft = MLXProposer(model, "draft", ring=4)
+    assert draft.governor_memory is None
+    SpeculativeDecoder(model, draft, "spec", k=3).generate(prompts[0], 12)
+    assert isinstance(draft.governor_memory, gv.GovernorMemory) and draft.governor_memory.ar_seconds
+    # a new decoder around the same proposer (the API builds one per call) starts from it
+    before, seen, real = draft.governor_memory, [], loop.make_governor
+    monkeypatch.setattr(loop, "make_governor", lambda *a: seen.append(a[3]) or real(*a))
+    SpeculativeDecoder(model, draft, "spec", k=3).generate(prompts[1], 8)
+    assert seen == [before] and draft.governor_memory is not before
+
+
 def test_cost_governor_keeps_a_good_draft_through_bad_rounds():
-    g = gv.CostGovernor(GovernorConfig(), ar_seconds=AR)
+    g = gv.CostGovernor(GovernorConfig(), memory=gv.GovernorMemory(AR))
     good = [(4, 4, 2.0)] * 10
     assert all(feed(g, good + [(0, 4, 2.6), (0, 4, 2.6)] + good))
     assert g.trips == 0
@@ -85,7 +125,7 @@ def test_cost_governor_keeps_a_good_draft_through_bad_rounds():
 
 
 def test_cost_governor_one_slow_round_does_not_trip():
-    g = gv.CostGovernor(GovernorConfig(), ar_seconds=AR)
+    g = gv.CostGovernor(GovernorConfig(), memory=gv.GovernorMemory(AR))
     feed(g, [(2, 4, 2.0)] * 7)
     assert g.drafting
     feed(g, [(2, 4, 400.0)])                    # stalled: capped at 4x the window's median
@@ -95,7 +135,7 @@ def test_cost_governor_one_slow_round_does_not_trip():
 
 def test_cost_governor_probe_that_lasts_resets_the_backoff():
     cfg = GovernorConfig(window=4, first_rounds=1, backoff=8, backoff_growth=2, margin=0.1)
-    g = gv.CostGovernor(cfg, ar_seconds=AR)
+    g = gv.CostGovernor(cfg, memory=gv.GovernorMemory(AR))
     feed(g, [(0, 4, 2.0)])
     assert not g.drafting
     feed(g, [(0, 0, 1.0)] * 8)
@@ -117,7 +157,7 @@ def test_cost_governor_ar_reference_is_a_capped_mean():
 
 
 def test_cost_governor_refreshes_its_ar_reference():
-    g = gv.CostGovernor(GovernorConfig(ar_refresh=16), ar_seconds=AR)
+    g = gv.CostGovernor(GovernorConfig(ar_refresh=16), memory=gv.GovernorMemory(AR))
     seen = feed(g, [(4, 4, 2.0)] * 16)
     assert all(seen) and not g.drafting          # one AR round after 16 drafting rounds
     feed(g, [(0, 0, 1.0)])
@@ -127,7 +167,7 @@ def test_cost_governor_refreshes_its_ar_reference():
 def test_cost_governor_drops_a_stale_ar_reference():
     # an AR time from a preempted round: drafting rounds then measure cheaper than AR
     # rounds, which they cannot be, so the reference is measured again
-    g = gv.CostGovernor(GovernorConfig(ar_first=2, first_rounds=2), ar_seconds=5 * AR)
+    g = gv.CostGovernor(GovernorConfig(ar_first=2, first_rounds=2), memory=gv.GovernorMemory(5 * AR))
     assert feed(g, [(0, 4, 2.0)] * 2) == [True, True]
     assert not g.drafting and g.ar_seconds is None and g.trips == 0
     assert feed(g, [(0, 0, 1.0), (0, 0, 1.0)]) == [False, False]
@@ -170,6 +210,9 @@ class ScriptedGovernor:
 
     def stats(self):
         return {"governor": self.policy}
+
+    def memory(self):
+        return gv.GovernorMemory()
 
 
 @pytest.fixture

@@ -40,6 +40,7 @@ class GovernorConfig:
     backoff: int = 16            # AR tokens before the first re-probe
     backoff_growth: int = 4      # its factor per probe that trips within a window
     backoff_max: int = 512
+    carry_backoff: int = 64      # AR tokens of a back-off that may carry into the next call
 
     def policy_for(self, mode: str, params=None) -> str:
         """The policy a mode runs: the configured one, else the original's for governed;
@@ -60,15 +61,28 @@ def rounds_change_output(params) -> bool:
     return params is not None and not params.greedy and params.accept != "coupled"
 
 
-def make_governor(cfg: GovernorConfig, mode: str, params=None, ar_seconds: float | None = None):
-    """The governor of one call in `mode` (None: every round drafts); `ar_seconds`: an AR
-    round time measured before (the cost model then needs no AR rounds to start)."""
+@dataclass
+class GovernorMemory:
+    """What a call's cost governor leaves the next call with the same draft: its AR round
+    time (the next call then needs no AR rounds to start) and, when the call showed the
+    draft useless, the back-off it ended in (at most ``carry_backoff`` AR tokens) and the
+    acceptance behind that verdict (accepted, proposed), so the next probe is judged on it."""
+    ar_seconds: float | None = None
+    backoff_left: int = 0
+    failures: int = 0
+    accepted: int = 0
+    proposed: int = 0
+
+
+def make_governor(cfg: GovernorConfig, mode: str, params=None, memory: GovernorMemory | None = None):
+    """The governor of one call in `mode` (None: every round drafts); `memory`: what the
+    last call's governor left (``Governor.memory()``)."""
     if mode not in ("spec", "governed"):
         return None
     policy = cfg.policy_for(mode, params)
     if policy == "off":
         return None
-    return Governor(cfg) if policy == "original" else CostGovernor(cfg, ar_seconds)
+    return Governor(cfg) if policy == "original" else CostGovernor(cfg, memory)
 
 
 class Governor:
@@ -122,6 +136,9 @@ class Governor:
     def stats(self) -> dict:
         return {"governor": self.policy}
 
+    def memory(self) -> GovernorMemory:
+        return GovernorMemory()       # the original's rule starts every call afresh
+
 
 def robust_mean(times) -> float:
     """The mean of round times, each capped at 4x their median: what throughput sees
@@ -147,23 +164,32 @@ class CostGovernor:
     without an AR round time starts with `ar_first` AR rounds; an AR round refreshes the
     reference every `ar_refresh` drafting rounds, and at once when a drafting round
     measures cheaper than it (a busy machine can leave a stale, inflated AR time).
+    A call that ends suspended after a failed re-probe, with the call's acceptance below
+    break-even, leaves its back-off (capped) to the next call (``memory``): a useless
+    draft is then probed about once per call instead of three or four times.
     """
 
     policy = "cost"
 
-    def __init__(self, cfg: GovernorConfig | None = None, ar_seconds: float | None = None):
+    def __init__(self, cfg: GovernorConfig | None = None, memory: GovernorMemory | None = None):
         self.cfg = cfg or GovernorConfig()
+        memory = memory or GovernorMemory()
         self.window = deque(maxlen=max(1, self.cfg.window))
+        ar_seconds = memory.ar_seconds
         self.ar_times = deque([ar_seconds] if ar_seconds else [], maxlen=max(1, self.cfg.ar_samples))
         self.trips = self.resumes = 0
-        self.suspended = False
+        self._carried = memory.backoff_left > 0 and bool(self.ar_times)
+        self.suspended = self._carried
         self.break_even = None       # alpha* of the last drafting round
         self.cost = None             # its (k+1)c + v, AR tokens
         self.alpha_estimate = None
-        self._failures = 0           # probes in a row that tripped within a window
+        self._failures = memory.failures if self._carried else 0   # probes in a row that tripped within a window
         self._since_resume = 0       # drafting rounds since the last (re)start
-        self._ar_left = 0            # AR tokens before the next probe
+        self._ar_left = min(memory.backoff_left, self.cfg.carry_backoff) if self._carried else 0   # AR tokens before the next probe
         self._accepted = self._proposed = self._spec_rounds = 0   # this call's totals
+        if self._carried:       # a probe of a draft found useless: judged at once, on its record
+            self._accepted, self._proposed = memory.accepted, memory.proposed
+            self._spec_rounds = self.cfg.first_rounds
         self._ar_needed = 1 if self.ar_times else max(1, self.cfg.ar_first)
         self._since_ar = 0           # drafting rounds since the last AR round
 
@@ -218,10 +244,18 @@ class CostGovernor:
         return self.alpha_estimate < self.break_even
 
     def _suspend(self):
-        self._failures = self._failures + 1 if (self.trips and self._since_resume <= self.window.maxlen) else 0
+        failed_probe = (self.trips or self._carried) and self._since_resume <= self.window.maxlen
+        self._failures = self._failures + 1 if failed_probe else 0
         self._ar_left = min(self.cfg.backoff_max, self.cfg.backoff * self.cfg.backoff_growth ** min(self._failures, 16))
         self.suspended = True
         self.trips += 1
+
+    def memory(self) -> GovernorMemory:
+        useless = (self.suspended and self._failures > 0 and self.break_even is not None
+                   and self._accepted < self.break_even * self._proposed)
+        if not useless:
+            return GovernorMemory(self.ar_seconds)
+        return GovernorMemory(self.ar_seconds, self._ar_left, self._failures, self._accepted, self._proposed)
 
     def stats(self) -> dict:
         r = (lambda x: None if x is None else round(float(x), 4))

@@ -99,7 +99,6 @@ class SpeculativeDecoder:
         self.stats = DecodeStats()
         self.output: list = []
         self._forced_carry = 0.0
-        self._ar_seconds = None     # the AR round time the last call's governor measured
 
     def close(self):
         if self.proposer is not None:
@@ -117,8 +116,9 @@ class SpeculativeDecoder:
         max_seq = self.cfg.max_seq
         stop_set = set(int(t) for t in stop_tokens)
         seed = self.seed = noise.seed64(self.params.seed)    # this call's noise stream
-        gov = make_governor(self.governor_cfg, self.mode, self.params, self._ar_seconds)
         proposer = self.proposer
+        gov = make_governor(self.governor_cfg, self.mode, self.params,
+                            proposer.governor_memory if proposer is not None else None)
         st = self.stats = DecodeStats(mode=self.mode, draft=(proposer.name if proposer else "none"),
                                       k=(self.k if proposer else 0), strict=self.strict,
                                       prompt_tokens=len(prompt))
@@ -186,7 +186,8 @@ class SpeculativeDecoder:
                 st.extra.update(proposer.extra_stats())
             if gov is not None:
                 st.extra.update(gov.stats())
-                self._ar_seconds = gov.ar_seconds or self._ar_seconds
+                if proposer is not None:   # the API builds a decoder per call around a cached proposer
+                    proposer.governor_memory = gov.memory()
             if st.ar_rounds and st.ar_token_s is None:
                 st.ar_token_s = st.ar_s / st.ar_rounds
         return out

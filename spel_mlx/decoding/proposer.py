@@ -31,6 +31,7 @@ class Proposer:
     name = "draft"    # the --draft kind, reported as the statistics' "draft"
     forwards = 0      # draft token-forwards run (for the cost figure c)
     threads = None    # C draft worker threads, where there is one
+    governor_memory = None   # what the last call's governor left the next (governor.GovernorMemory)
 
     def reset(self):
         pass
