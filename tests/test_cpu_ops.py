@@ -177,7 +177,7 @@ def test_avx512_linear_equals_its_fma_reference(ops, avx512_linear, rows, cols, 
     lin = model_mod.Linear(cols, rows)
     for M in (1, 5, 13):
         ops.prepare_linear(lin, M)
-        b3 = lin.blocks(M)
+        b3 = lin.blocks(ops.layout_rows(M))
         x = _rand((M, cols), M)
         got = np.asarray(ops.linear(x, lin))
         try:
@@ -187,7 +187,7 @@ def test_avx512_linear_equals_its_fma_reference(ops, avx512_linear, rows, cols, 
             E.set_linear("auto")
         if b3.shape[2] % 16 == 0:      # whole 16-column vectors: the tiles
             assert np.array_equal(got, want), (M, rows, cols)
-        else:                          # 48 rows at M > 5 are blocks of 24: the BLAS
+        else:                          # blocks of 24 columns (48 rows, 32-row blocks): the BLAS
             assert not np.array_equal(got, want) and np.abs(got - want).max() < 1e-5
         assert np.abs(got - np.asarray(x, np.float64) @ np.asarray(lin.weight, np.float64).T).max() < 1e-4
 
@@ -209,7 +209,8 @@ def test_linear_from_row_blocks(ops, rows, rb, M):
     x = _rand((M, 64), 5)
     W = np.asarray(lin.weight, np.float64)
     assert row_block(rows, 64, M) == rb
-    b3 = lin.blocks(M)
+    rb = row_block(rows, 64, ops.layout_rows(M))      # the AVX-512 tiles read the 64-row blocks
+    b3 = lin.blocks(ops.layout_rows(M))
     assert b3.shape == ((rows // rb, 64, rb) if rb else (1, 64, rows))
     got = ops.linear(x, lin)
     assert got.shape == (M, rows)
@@ -420,6 +421,26 @@ def test_portable_build_compiles():
            "-I" + sysconfig.get_paths()["include"], *srcs]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
+
+
+def test_tiles_read_one_weight_layout_for_every_batch(ops, avx512_linear):
+    """The AVX-512 tiles read 9 or 17 rows from the 64-row blocks of small batches (one
+    copy of the weights); the BLAS keeps its 32-row blocks past 5 rows."""
+    E = avx512_linear
+    assert [ops.layout_rows(M) for M in (1, 5, 9, 17)] == [1, 5, 5, 5]
+    lin = model_mod.Linear(64, 192)
+    ops.prepare_linear(lin, 9)
+    assert lin.blocks(5).shape == (3, 64, 64) and lin.blocks(9) is None
+    old = E.set_linear("blas")
+    try:
+        assert ops.layout_rows(9) == 9
+        ops.prepare_linear(lin, 9)
+        assert lin.blocks(9).shape == (6, 64, 32)
+        x = _rand((9, 64), 7)
+        W = np.asarray(lin.weight, np.float64)
+        assert np.abs(np.asarray(ops.linear(x, lin)) - np.asarray(x, np.float64) @ W.T).max() < 1e-5
+    finally:
+        E.set_linear(old)
 
 
 def test_strict_batches_run_as_one_pass_only_when_rows_are_independent(models, avx512_linear):

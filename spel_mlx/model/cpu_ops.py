@@ -79,16 +79,24 @@ class CPUFusedOps(MLXOps):
         return _spel_cpu.ffn_block(h, blk.ffn_norm.weight, *mlp, float(blk.ffn_norm.eps))
 
     @staticmethod
-    def _blocks(x, *lins):
+    def layout_rows(M: int) -> int:
+        """The batch size whose weight layout an M-row product reads: the AVX-512 tiles
+        read every M best from the 64-row blocks of small batches (the 32-row blocks
+        suit the BLAS, docs/model.md); one layout also keeps one copy of the weights."""
+        return min(M, 5) if _spel_cpu.fma_chain_linear() else M
+
+    @classmethod
+    def _blocks(cls, x, *lins):
         """The warm [nb, in, rb] blocks of each Linear for x's rows, or None."""
         if x.ndim != 2:
             return None
-        blocks = [lin.blocks(x.shape[0]) for lin in lins]
+        rows = cls.layout_rows(x.shape[0])
+        blocks = [lin.blocks(rows) for lin in lins]
         return None if any(b is None for b in blocks) else blocks
 
     # --- single primitives ---------------------------------------------------------------
     def prepare_linear(self, lin, M: int) -> None:
-        lin.warm(M, blocks=True)
+        lin.warm(self.layout_rows(M), blocks=True)
 
     def linear(self, x, lin):
         blocks = self._blocks(x, lin)
