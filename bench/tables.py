@@ -425,6 +425,20 @@ def _placement_regime(g, rows) -> list:
     return parts
 
 
+def _acceptance_differs(spel, peer):
+    """Why a speculative SPEL row and a peer's are not comparable by tok/s (their drafts'
+    share of the emitted tokens differ by more than 0.05), else None: a ratio of two
+    rows with different acceptance measures the drafts, not the engines."""
+    share = metric(peer, "draft_token_share") if "draft_token_share" in peer["metrics"] else None
+    alpha, K = metric(spel, "alpha") if "alpha" in spel["metrics"] else None, spel.get("K")
+    if share is None or alpha is None or not K:
+        return None
+    ours = alpha * K / (1 + alpha * K)
+    if abs(ours - share) <= 0.05:
+        return None
+    return f"the drafts' share of tokens differs (SPEL {ours:.2f}, alpha {alpha:.2f}; peer {share:.2f})"
+
+
 def peers_section(results) -> str:
     rows = select_rows(results, "peers")
     if not rows:
@@ -442,7 +456,10 @@ def peers_section(results) -> str:
                            if x["placement"] == place and x.get("threads") == th
                            and x["status"] == common.OK])
             a, b = (metric(spel, "tok_s") if spel else None), metric(r, "tok_s")
-            if a and b:
+            differs = spel and _acceptance_differs(spel, r)
+            if differs:
+                ratio = f"not compared: {differs}"
+            elif a and b:
                 ratio = f"{a / b:.2f}× ({name}{', C draft 1 thread' if th else ''})"
         if r["status"] != common.OK:
             body.append([r["regime"], r["name"], r.get("K") or "—", _why(r), "", "", ""])

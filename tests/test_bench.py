@@ -190,6 +190,20 @@ def test_merge_runs_medians_ranges_and_failed_runs():
         "11.50 (10.25–14)"
 
 
+def test_peer_ratios_only_between_rows_of_equal_acceptance():
+    from bench import tables
+    spel = common.make_row("b3", "raw spec", regime="r", K=4, metrics={"tok_s": 100.0, "alpha": 0.85})
+    oracle = common.make_row("b3", "oracle", regime="r", K=4, metrics={"tok_s": 100.0, "alpha": 1.0})
+    weak = common.make_row("peers", "p", regime="r", mode="spec", K=4,
+                           metrics={"tok_s": 50.0, "draft_token_share": 0.0})
+    same = common.make_row("peers", "q", regime="r", mode="oracle", K=4,
+                           metrics={"tok_s": 50.0, "draft_token_share": 0.797})
+    assert "SPEL 0.77" in tables._acceptance_differs(spel, weak)
+    assert tables._acceptance_differs(oracle, same) is None          # 4/5 both
+    ar = common.make_row("peers", "a", regime="r", mode="ar", metrics={"tok_s": 50.0})
+    assert tables._acceptance_differs(spel, ar) is None               # no draft: nothing to differ
+
+
 def test_write_json_atomic_leaves_no_temp(tmp_path):
     p = tmp_path / "sub" / "r.json"
     common.write_json_atomic(str(p), {"a": (1, 2)})
