@@ -204,6 +204,20 @@ def test_peer_ratios_only_between_rows_of_equal_acceptance():
     assert tables._acceptance_differs(spel, ar) is None               # no draft: nothing to differ
 
 
+def test_findings_name_raw_speculation_and_the_default_apart():
+    from bench import tables
+    row = lambda name, mode, **m: common.make_row(  # noqa: E731
+        "b3", name, regime="r", mode=mode, placement="target=mlx-cpu draft=c-cpu", threads=1, K=4, metrics=m)
+    results = {"params": {"regimes": ["r"], "K": 4}, "regimes": {}, "rows": [
+        row("AR target", "ar", tok_s=100.0) | {"placement": "target=mlx-cpu"},
+        row("raw spec", "spec", tok_s=70.0, speedup=0.70, alpha=0.01, projected=0.71),
+        row("default spec", "spec", tok_s=97.0, speedup=0.97, alpha=0.0, projected=0.95),
+        row("default spec", "spec", tok_s=99.0, speedup=0.99, alpha=0.0, projected=0.96)]}
+    text = tables.findings(results)
+    assert "raw speculation accepts alpha = 0.010 of the proposals and runs at 0.700× AR" in text
+    assert "spec's default (cost governor) runs at 0.970–0.990× AR" in text
+
+
 def test_write_json_atomic_leaves_no_temp(tmp_path):
     p = tmp_path / "sub" / "r.json"
     common.write_json_atomic(str(p), {"a": (1, 2)})

@@ -86,6 +86,21 @@ def test_cost_governor_carries_a_useless_drafts_backoff_into_the_next_call():
     assert useless_call(gv.CostGovernor(cfg, memory=gv.GovernorMemory(AR)), 256).count("d") == 4
 
 
+def test_cost_governor_keeps_an_untested_verdict_across_short_calls():
+    # 64-token calls: a call whose carried back-off outlasts it tests nothing, and the
+    # verdict must reach the next call, which probes once instead of starting afresh
+    cfg = GovernorConfig(first_rounds=2, backoff=16, backoff_growth=4, backoff_max=512, carry_backoff=64)
+    g = gv.CostGovernor(cfg, memory=gv.GovernorMemory(AR))
+    patterns = [useless_call(g, 64)]
+    for _ in range(5):
+        g = gv.CostGovernor(cfg, memory=g.memory())
+        patterns.append(useless_call(g, 64))
+    assert patterns[0].count("d") == 3                    # 2 first rounds, a probe at 16
+    assert [p.count("d") for p in patterns[1:]] == [1, 0, 1, 0, 1]
+    assert patterns[3].index("d") == 0                    # the untested verdict: probed at once
+    assert g.memory().useless
+
+
 def test_cost_governor_carries_nothing_from_a_call_where_the_draft_paid():
     cfg = GovernorConfig(first_rounds=2, backoff=16)
     g = gv.CostGovernor(cfg, memory=gv.GovernorMemory(AR))

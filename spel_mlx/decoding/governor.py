@@ -65,9 +65,11 @@ def rounds_change_output(params) -> bool:
 class GovernorMemory:
     """What a call's cost governor leaves the next call with the same draft: its AR round
     time (the next call then needs no AR rounds to start) and, when the call showed the
-    draft useless, the back-off it ended in (at most ``carry_backoff`` AR tokens) and the
-    acceptance behind that verdict (accepted, proposed), so the next probe is judged on it."""
+    draft useless (``useless``), the back-off it ended in (at most ``carry_backoff`` AR
+    tokens) and the acceptance behind that verdict (accepted, proposed), so the next
+    probe is judged on it.  A verdict no round of a call tested passes on unchanged."""
     ar_seconds: float | None = None
+    useless: bool = False
     backoff_left: int = 0
     failures: int = 0
     accepted: int = 0
@@ -178,8 +180,8 @@ class CostGovernor:
         ar_seconds = memory.ar_seconds
         self.ar_times = deque([ar_seconds] if ar_seconds else [], maxlen=max(1, self.cfg.ar_samples))
         self.trips = self.resumes = 0
-        self._carried = memory.backoff_left > 0 and bool(self.ar_times)
-        self.suspended = self._carried
+        self._carried = memory.useless and bool(self.ar_times)
+        self.suspended = self._carried and memory.backoff_left > 0
         self.break_even = None       # alpha* of the last drafting round
         self.cost = None             # its (k+1)c + v, AR tokens
         self.alpha_estimate = None
@@ -251,11 +253,13 @@ class CostGovernor:
         self.trips += 1
 
     def memory(self) -> GovernorMemory:
-        useless = (self.suspended and self._failures > 0 and self.break_even is not None
-                   and self._accepted < self.break_even * self._proposed)
+        untested = self._carried and self.break_even is None     # no drafting round this call
+        useless = untested or (self.suspended and self._failures > 0 and self.break_even is not None
+                               and self._accepted < self.break_even * self._proposed)
         if not useless:
             return GovernorMemory(self.ar_seconds)
-        return GovernorMemory(self.ar_seconds, self._ar_left, self._failures, self._accepted, self._proposed)
+        return GovernorMemory(self.ar_seconds, True, self._ar_left if self.suspended else 0, self._failures,
+                              self._accepted, self._proposed)
 
     def stats(self) -> dict:
         r = (lambda x: None if x is None else round(float(x), 4))
