@@ -112,6 +112,21 @@ def test_attend_matches_mlx_ops_and_masks_the_future(ops, M, pos0, W):
         assert _diff(ops.attend(q, kc2, vc, pos, M), got) == 0
 
 
+@pytest.mark.parametrize("M,pos0", [(1, 900), (5, 700), (5, 252)])   # 252: rows on both sides of 256
+def test_attend_over_a_long_cache_keeps_its_bits(ops, scalar_and_simd, M, pos0):
+    """Past 256 keys the walk first reads each key block in address order (attend_blocked.cpp,
+    touch_block): the SIMD variant still gives the scalar reference's bits, and every row of
+    a batch the bits of that query alone."""
+    H, hd, W = 4, 64, 1024
+    q = l2_normalize(_rand((M, H, hd), 1))
+    kc, vc = l2_normalize(_rand((W, H, hd), 2)), _rand((W, H, hd), 3)
+    ref, got = scalar_and_simd(lambda: np.asarray(ops.attend(q, kc, vc, pos0, M)))
+    assert np.array_equal(ref, got)
+    for m in range(M):
+        alone = np.asarray(ops.attend(q[m:m + 1], kc, vc, pos0 + m, 1))
+        assert np.array_equal(alone[0], got[m])
+
+
 def test_rms_norm_and_gate(ops):
     x, w = _rand((5, 256), 1, 3.0), _rand((256,), 2)
     assert _diff(ops.rms_norm(x, w, 1e-5), mx.fast.rms_norm(x, w, 1e-5)) < 2e-6
