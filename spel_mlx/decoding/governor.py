@@ -258,8 +258,8 @@ class CostGovernor:
                                and self._accepted < self.break_even * self._proposed)
         if not useless:
             return GovernorMemory(self.ar_seconds)
-        return GovernorMemory(self.ar_seconds, True, self._ar_left if self.suspended else 0, self._failures,
-                              self._accepted, self._proposed)
+        return GovernorMemory(self.ar_seconds, useless=True, backoff_left=self._ar_left if self.suspended else 0,
+                              failures=self._failures, accepted=self._accepted, proposed=self._proposed)
 
     def stats(self) -> dict:
         r = (lambda x: None if x is None else round(float(x), 4))
