@@ -171,7 +171,7 @@ typedef struct {
     spel_qmat wqkv, wo, w1, w3, w2;
     float *ring_S;     /* [R][H][hd][hd]: S transposed (rows index k, columns index v) */
     float *ring_tail;  /* [R][2][d]: the conv's last two normed inputs */
-    float *kcache, *vcache;   /* k: [H][hd][kv_rows] (rotated, transposed); v: [kv_rows][H*hd] */
+    float *kcache, *vcache;   /* k: [H][hd][kv_rows] (rotated, transposed); v: [H][kv_rows][hd] */
     int64_t kv_rows;          /* positions the caches hold; grows with use (reserve_kv) */
 } dlayer;
 
@@ -545,8 +545,9 @@ static int reserve_kv(spel_draft *d, dlayer *L, int64_t p) {
         return fail(d, "out of memory growing the KV cache to %lld positions", (long long)rows);
     }
     if (keep) {   /* positions < p are the ones ever read again */
+        size_t hd = (size_t)c->head_dim;
         for (size_t r = 0; r < inner; r++) memcpy(k + r * rows, L->kcache + r * L->kv_rows, 4 * keep);
-        memcpy(v, L->vcache, 4 * keep * inner);
+        for (size_t r = 0; r < inner; r += hd) memcpy(v + r * rows, L->vcache + r * L->kv_rows, 4 * keep * hd);
     }
     free(L->kcache);
     free(L->vcache);
@@ -557,7 +558,8 @@ static int reserve_kv(spel_draft *d, dlayer *L, int64_t p) {
 }
 
 /* Attention.  The K cache is stored per head transposed, kcache[h][i][t], so the scores
- * of all cached positions are axpys over t; the V cache is [t][H*hd].
+ * of all cached positions are axpys over t; the V cache per head, vcache[h][t][i], so each
+ * head's pass over t reads one contiguous stream (docs/neon.md).
  * attn_project: token p's q, k (unit, rotated) and v; k and v written to the caches
  * (grown to hold p), the rotated q left in d->qkv[0, inner). */
 SPEL_FLOAT_FN static int attn_project(spel_draft *d, dlayer *L, int64_t p) {
@@ -581,7 +583,8 @@ SPEL_FLOAT_FN static int attn_project(spel_draft *d, dlayer *L, int64_t p) {
         float *kc = L->kcache + (size_t)h * hd * T;
         for (int i = 0; i < hd; i++) kc[(size_t)i * T + p] = k[i];
     }
-    memcpy(L->vcache + (size_t)p * inner, d->qkv + 2 * inner, 4 * (size_t)inner);
+    for (int h = 0; h < H; h++)
+        memcpy(L->vcache + ((size_t)h * T + p) * hd, d->qkv + 2 * inner + h * hd, 4 * (size_t)hd);
     return 0;
 }
 
@@ -625,7 +628,7 @@ SPEL_FLOAT_FN static void attend_queries(spel_draft *d, dlayer *L, int64_t p0, i
             for (int i = 0; i < hd; i++) O[(size_t)j * inner + h * hd + i] = 0.0f;
         }
         for (int64_t t = 0; t < n_max; t++) {
-            const float *vt = L->vcache + (size_t)t * inner + h * hd;
+            const float *vt = L->vcache + ((size_t)h * T + t) * hd;
             for (int j = t > p0 ? (int)(t - p0) : 0; j < m; j++) {
                 float *o = O + (size_t)j * inner + h * hd, e = S[(size_t)j * ss + t];
                 for (int i = 0; i < hd; i++) o[i] += e * vt[i];
