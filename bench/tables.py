@@ -192,13 +192,9 @@ def findings(results) -> str:
                      f"{fmt_num(ratios[len(ratios) // 2])} (range {fmt_num(ratios[0])}–{fmt_num(ratios[-1])})")
         peer = _first([r for r in select_rows(results, "peers", g, mode="ar") if r["status"] == common.OK
                        and "Llama" in r["name"]])
-        if peer:
+        if peer:   # engine against engine: a speculative row over plain greedy would measure the draft
             s.append(f"SPEL's AR is {metric(ar, 'tok_s') / metric(peer, 'tok_s'):.2f}× mlx-lm's "
                      f"same-shape Llama greedy")
-            if raw:
-                best = max(raw, key=lambda r: metric(r, "tok_s"))
-                s.append(f"its raw speculation {metric(best, 'tok_s') / metric(peer, 'tok_s'):.2f}× "
-                         f"({best['threads']} draft thread(s))")
         info = results.get("regimes", {}).get(g, {})
         if info.get("systems_only"):
             s.append("weights are random, so alpha and decoding rows show systems behaviour only")

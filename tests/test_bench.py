@@ -213,8 +213,12 @@ def test_findings_name_raw_speculation_and_the_default_apart():
         row("raw spec", "spec", tok_s=70.0, speedup=0.70, alpha=0.01, projected=0.71),
         row("default spec", "spec", tok_s=97.0, speedup=0.97, alpha=0.0, projected=0.95),
         row("default spec", "spec", tok_s=99.0, speedup=0.99, alpha=0.0, projected=0.96)]}
+    results["rows"].append(common.make_row("peers", "mlx-lm Llama-style greedy (random weights)", regime="r",
+                                           mode="ar", metrics={"tok_s": 50.0}))
     text = tables.findings(results)
     assert "raw speculation accepts alpha = 0.010 of the proposals and runs at 0.700× AR" in text
+    assert "SPEL's AR is 2.00× mlx-lm's same-shape Llama greedy" in text
+    assert "its raw speculation" not in text      # no peer ratio across differing acceptance
     assert "spec's default (cost governor) runs at 0.970–0.990× AR" in text
 
 
