@@ -169,16 +169,17 @@ def findings(results) -> str:
             best = min(cs, key=lambda r: metric(r, "c"))
             s.append(f"the C draft runs at c = {fmt_num(metric(best, 'c'))} "
                      f"({best['threads']} thread(s), {fmt_num(metric(best, 'tok_s'))} tok/s)")
-        raw = [r for r in b3 if r["mode"] == "spec" and r["name"] == "raw spec" and "c-cpu" in r["placement"]]
+        c_spec = lambda name: [r for r in b3 if r["mode"] == "spec" and r["name"] == name  # noqa: E731
+                               and "c-cpu" in r["placement"]]
+        raw = c_spec("raw spec")
         if raw:
             best = max(raw, key=lambda r: metric(r, "speedup"))
             s.append(f"raw speculation accepts alpha = {fmt_num(metric(best, 'alpha'))} of the "
                      f"proposals and runs at {fmt_num(metric(best, 'speedup'))}× AR "
                      f"(cost model {fmt_num(metric(best, 'projected'))}×)")
-        default = [r for r in b3 if r["mode"] == "spec" and r["name"] == "default spec" and "c-cpu" in r["placement"]]
+        default = [metric(r, "speedup") for r in c_spec("default spec")]
         if default:
-            lo, hi = (f(metric(r, "speedup") for r in default) for f in (min, max))
-            s.append(f"spec's default (cost governor) runs at {fmt_num(lo)}–{fmt_num(hi)}× AR")
+            s.append(f"spec's default (cost governor) runs at {fmt_num(min(default))}–{fmt_num(max(default))}× AR")
         f1 = [r for r in b3 if r["mode"] == "forced" and r.get("forced_alpha") == 1.0
               and r.get("K") == results["params"]["K"] and "c-cpu" in r["placement"]]
         if f1:
