@@ -7,8 +7,8 @@ shared machine hit every context alike):
   prompt of each context length, nothing committed; v(M) = pass(M) / pass(1) at the same
   context, and where a pass's time goes (the fused CPU primitives' profile: products,
   attention, delta rule, other bodies, and the rest = dispatch and Python overhead);
-* AR decode tok/s at each context through the decoding loop (``--mode ar``), and its ratio
-  to the shortest context;
+* AR decode tok/s at each context through the decoding loop (``--mode ar``), its ratio
+  to the shortest context, and beside it the same with the attention helper thread off;
 * prefill throughput of ``ar`` and ``spec`` (C draft, drafting ahead: its prompt prefill
   runs beside the target's) at a few prompt lengths, beside mlx-lm's prefill of a GDN
   hybrid of the same shape (qwen3_next, bench/peers.py), chunks of 2048 as mlx-lm does;
@@ -118,20 +118,35 @@ def pass_rows(model, regime, contexts, Ms, repeats) -> list:
 
 
 def ar_decode_rows(model, regime, contexts, gen, repeats) -> list:
+    """AR decode tok/s by context; each call beside one with the attention helper thread
+    switched off (the same text, interleaved), whose ratio is the helper's gain."""
     from spel_mlx.decoding.loop import SpeculativeDecoder
+    from spel_mlx.model.cpu_ops import _spel_cpu
     dec = SpeculativeDecoder(model, None, mode="ar")
     rates = {c: [] for c in contexts}
+    alone = {c: [] for c in contexts}
     for ctx in contexts:                 # warm
         dec.generate(context_prompt(regime, ctx), 4)
-    for _ in range(repeats):
+    for rep in range(repeats):
         for ctx in contexts:
-            dec.generate(context_prompt(regime, ctx), gen)
-            rates[ctx].append(dec.stats.tok_s)
+            for helper in ((True, False) if rep % 2 == 0 else (False, True)):
+                if _spel_cpu is not None:
+                    _spel_cpu.set_helper(helper)
+                elif not helper:
+                    continue
+                try:
+                    dec.generate(context_prompt(regime, ctx), gen)
+                finally:
+                    if _spel_cpu is not None:
+                        _spel_cpu.set_helper(True)
+                (rates if helper else alone)[ctx].append(dec.stats.tok_s)
     base = median(rates[contexts[0]])
     return [make_row(SECTION, f"AR decode, context {ctx}", regime=regime["name"], placement="target=mlx-cpu", mode="ar",
                      primary="tok_s", context=ctx, samples=rates[ctx],
                      metrics={"tok_s": median(rates[ctx]), "context": ctx,
-                              "vs_shortest": median(rates[ctx]) / base if base else None})
+                              "vs_shortest": median(rates[ctx]) / base if base else None,
+                              "tok_s_no_helper": median(alone[ctx]) if alone[ctx] else None,
+                              "helper_gain": median(rates[ctx]) / median(alone[ctx]) if alone[ctx] else None})
             for ctx in contexts]
 
 

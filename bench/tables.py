@@ -296,9 +296,10 @@ def _b2ctx_regime(g, rows) -> list:
     at = {(int(metric(r, "context")), int(metric(r, "M"))): r for r in passes}
     ar = {int(metric(r, "context")): r for r in ok if r["name"].startswith("AR decode")}
     body = [[c, _cell(at.get((c, 1)), "ms")] + [_cell(at.get((c, M)), "v") for M in Ms if M > 1] +
-            [_cell(ar.get(c), "tok_s"), _cell(ar.get(c), "vs_shortest")] for c in ctxs]
+            [_cell(ar.get(c), "tok_s"), _cell(ar.get(c), "vs_shortest"), _cell(ar.get(c), "helper_gain")]
+            for c in ctxs]
     parts.append(_table(["context", "AR pass ms"] + [f"v(M={M})" for M in Ms if M > 1] +
-                        ["AR decode tok/s", "AR / shortest"], body))
+                        ["AR decode tok/s", "AR / shortest", "helper on / off"], body))
     parts += ["", "Where a pass goes (ms, medians): the fused primitives' bodies by part, and the rest of "
               "the wall time (graph dispatch, Python, waiting).", ""]
     names = ["products", "attention", "delta rule", "other bodies", "overhead"]

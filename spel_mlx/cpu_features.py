@@ -4,6 +4,10 @@ of CPUs without AVX-512 (or without SIMD) on a machine that has it.
     SPEL_SIMD=auto     the best the CPU has (default)
     SPEL_SIMD=avx2     no AVX-512: the target's products go to BLAS, the draft uses its AVX2 kernel
     SPEL_SIMD=none     the scalar references everywhere
+
+SPEL_ATTENTION_HELPER=0 keeps the target's attention over a long cache on one thread
+(default 1: its heads are shared with a helper thread when the process may use two
+CPUs; the same bits either way).
 """
 from __future__ import annotations
 
@@ -17,3 +21,10 @@ def simd_cap() -> str:
     if level not in LEVELS:
         raise ValueError(f"SPEL_SIMD={level!r}: expected one of {', '.join(LEVELS)}")
     return level
+
+
+def attention_helper() -> bool:
+    raw = os.environ.get("SPEL_ATTENTION_HELPER", "1").strip().lower() or "1"
+    if raw not in ("0", "1", "off", "on"):
+        raise ValueError(f"SPEL_ATTENTION_HELPER={raw!r}: expected 0 or 1")
+    return raw in ("1", "on")

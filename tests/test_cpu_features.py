@@ -1,4 +1,5 @@
-"""SPEL_SIMD caps the kernels' SIMD level; decoding gives the same tokens on every path."""
+"""SPEL_SIMD caps the kernels' SIMD level and SPEL_ATTENTION_HELPER switches the attention
+helper thread; decoding gives the same tokens on every path."""
 import json
 import platform
 import subprocess
@@ -45,3 +46,40 @@ def test_capped_paths_decode_the_same_tokens():
     assert avx2["simd"] == "avx2" and not avx2["fma"] and avx2["draft_kernel"] == "avx2"
     assert scalar["simd"] == "none" and scalar["draft_kernel"] == "scalar"
     assert best["text"] == avx2["text"] == scalar["text"] and len(best["text"]) > 40
+
+
+HELPER_PROBE = r"""
+import json, spel_mlx
+from spel_mlx.model import cpu_ops
+from spel_mlx.api import load, generate
+m, tok = load()
+prompt = "And God said unto Moses, I AM THAT I AM: and he said, Thus shalt thou say. " * 40
+text = generate(m, tok, prompt, 24, temperature=0)
+print(json.dumps({"state": cpu_ops._spel_cpu.helper_state(), "items": cpu_ops._spel_cpu.helper_items_run(),
+                  "text": text}))
+"""
+
+
+def test_attention_helper_switch(monkeypatch):
+    """SPEL_ATTENTION_HELPER=0 keeps attention on one thread; a long prompt decodes to the
+    same text either way, and by default the helper thread did take heads (2+ CPUs)."""
+    from spel_mlx.cpu_features import attention_helper
+    from spel_mlx.model import cpu_ops
+    monkeypatch.setenv("SPEL_ATTENTION_HELPER", "maybe")
+    with pytest.raises(ValueError, match="SPEL_ATTENTION_HELPER='maybe'"):
+        attention_helper()
+    if not cpu_ops.available():
+        pytest.skip(cpu_ops.status()[1])
+    runs = {}
+    for value in ("0", "1"):
+        env = {"SPEL_ATTENTION_HELPER": value, "PATH": "/usr/bin:/bin"}
+        out = subprocess.run([sys.executable, "-c", HELPER_PROBE], capture_output=True, text=True, env=env,
+                             timeout=300)
+        assert out.returncode == 0, out.stderr[-2000:]
+        runs[value] = json.loads(out.stdout.strip().splitlines()[-1])
+    assert runs["0"]["state"] == "off" and runs["0"]["items"] == 0
+    assert runs["0"]["text"] == runs["1"]["text"] and len(runs["1"]["text"]) > 20
+    if runs["1"]["state"] == "on":
+        assert runs["1"]["items"] > 0
+    else:
+        assert runs["1"]["state"] == "off (one usable CPU)"

@@ -127,6 +127,31 @@ def test_attend_over_a_long_cache_keeps_its_bits(ops, scalar_and_simd, M, pos0):
         assert np.array_equal(alone[0], got[m])
 
 
+@pytest.mark.parametrize("M,pos0", [(1, 3000), (5, 700), (1, 505)])   # 505: 506..510 keys, not shared
+def test_attention_shared_with_the_helper_thread_keeps_its_bits(ops, M, pos0):
+    """Past 512 keys attention's heads are shared with a helper thread (helper.cpp): the
+    bits are those of the caller alone, and the helper does take heads (2+ cores)."""
+    from spel_mlx import _spel_cpu as E
+    H, hd, W = 4, 64, 4096
+    q = l2_normalize(_rand((M, H, hd), 1))
+    kc, vc = l2_normalize(_rand((W, H, hd), 2)), _rand((W, H, hd), 3)
+    try:
+        E.set_helper(False)
+        alone = np.asarray(ops.attend(q, kc, vc, pos0, M))
+        E.set_helper(True)
+        before = E.helper_items_run()
+        runs = [np.asarray(ops.attend(q, kc, vc, pos0, M)) for _ in range(40)]
+        taken = E.helper_items_run() - before
+    finally:
+        E.set_helper(True)
+    for got in runs:
+        assert np.array_equal(got, alone)
+    if pos0 + M < 512 or (os.cpu_count() or 1) < 2:
+        assert taken == 0
+    else:
+        assert taken > 0    # 40 calls of 4 heads: the helper wakes in time for some
+
+
 def test_rms_norm_and_gate(ops):
     x, w = _rand((5, 256), 1, 3.0), _rand((256,), 2)
     assert _diff(ops.rms_norm(x, w, 1e-5), mx.fast.rms_norm(x, w, 1e-5)) < 2e-6

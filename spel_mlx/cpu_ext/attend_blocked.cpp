@@ -6,7 +6,9 @@
 //
 // Every query walks the same absolute key blocks 0, 16, 32, ... with its own running
 // max, sum and accumulators, so its result does not depend on M or on its row in the
-// batch: a K+1 pass gives each row the bits of the single-token pass.
+// batch: a K+1 pass gives each row the bits of the single-token pass.  Heads are
+// independent too, so over a long cache they are shared with a helper thread
+// (helper.cpp) at no change of bits.
 //
 // The canonical order, per (query m, head h), of one block [b0, b0 + nb) (nb <= BK):
 //   score of key w: 16 lanes a[l] = fma chain over j of q[16j+l] k_w[16j+l] (lanes past
@@ -72,12 +74,15 @@ struct Running {
 // cache line of the block's K and V rows, in address order, first brings the block in
 // as a stream (measured in docs/model.md; software prefetches did not).  Reads only.
 constexpr int64_t TOUCH_FROM = 256;   // keys; a shorter cache stays in the caches
+// Past this many keys the heads are shared with the helper thread: two cores stream
+// the cache (docs/model.md); below it the hand-over costs about what it saves.
+constexpr int64_t SHARE_FROM = 512;
 
 inline void touch_block(const AttendArgs& A, int64_t b0, int64_t nb) {
   const int64_t bytes = 4 * A.hd;
   unsigned t = 0;
   for (int64_t w = b0; w < b0 + nb; w++)
-    for (int64_t h = 0; h < A.H; h++) {   // whatever the strides, only the elements read later
+    for (int64_t h = A.h_begin; h < A.h_end; h++) {   // whatever the strides, only the elements read later
       const unsigned char* k = reinterpret_cast<const unsigned char*>(A.key(w, h));
       const unsigned char* v = reinterpret_cast<const unsigned char*>(A.value(w, h));
       for (int64_t b = 0; b < bytes; b += 64) t |= k[b] | v[b];
@@ -94,7 +99,7 @@ void walk(const AttendArgs& A, Running& R, Block block) {
   const bool touch = end >= TOUCH_FROM;
   for (int64_t b0 = 0; b0 < end; b0 += BK) {
     if (touch) touch_block(A, b0, std::min<int64_t>(BK, end - b0));
-    for (int64_t h = 0; h < A.H; h++)
+    for (int64_t h = A.h_begin; h < A.h_end; h++)
       for (int64_t m = 0; m < A.M; m++) {
         const int64_t nb = std::min<int64_t>(BK, A.visible(m) - b0);
         if (nb <= 0) continue;
@@ -331,18 +336,40 @@ bool attend_simd(const AttendArgs& A, Running& R) {
 }
 #endif
 
-}  // namespace
-
-void attend_rows(const AttendArgs& A, float* O) {
-  static thread_local Running R;
-  R.reset(A.M * A.H, A.hd);
+void attend_heads(const AttendArgs& A, Running& R) {
 #if SPEL_AVX2
   if (!attend_simd(A, R))
 #endif
     attend_ref(A, R);
-  for (int64_t r = 0; r < A.M * A.H; r++) {
+}
+
+}  // namespace
+
+void attend_coming(int64_t rows) {
+  if (rows >= SHARE_FROM) prewake_helper();
+}
+
+void attend_rows(const AttendArgs& all, float* O) {
+  static thread_local Running this_thread;
+  Running& R = this_thread;   // a name the helper's lambda can capture (not its own thread_local)
+  R.reset(all.M * all.H, all.hd);
+  // a long cache: the heads shared with the helper thread, one item each
+  if (all.visible(all.M - 1) >= SHARE_FROM) {
+    share_items(all.H, [&](int64_t h) {
+      AttendArgs A = all;
+      A.h_begin = h;
+      A.h_end = h + 1;
+      attend_heads(A, R);
+    });
+  } else {
+    AttendArgs A = all;
+    A.h_begin = 0;
+    A.h_end = all.H;
+    attend_heads(A, R);
+  }
+  for (int64_t r = 0; r < all.M * all.H; r++) {
     const float l = halving_sum16(R.lanes.data() + r * BK);
-    for (int64_t d = 0; d < A.hd; d++) O[r * A.hd + d] = R.acc[r * A.hd + d] / l;
+    for (int64_t d = 0; d < all.hd; d++) O[r * all.hd + d] = R.acc[r * all.hd + d] / l;
   }
 }
 

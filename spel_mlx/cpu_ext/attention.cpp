@@ -70,6 +70,7 @@ void attn_qkv_body(const std::vector<mx::array>& in, std::vector<mx::array>& out
   const int64_t M = in[0].shape(0), d = in[0].shape(1), H = out[0].shape(1), hd = out[0].shape(2);
   const int64_t inner = H * hd, S = in[4].shape(0);
   const int64_t pos0 = in[3].data<int32_t>()[0];
+  attend_coming(pos0 + M);
   std::vector<float> xb, wb, xn(M * d), qkv(M * 3 * inner);
   const float* x = contiguous_2d(in[0], xb);
   rms_rows(x, contiguous_1d(in[1], wb), xn.data(), M, d, eps);

@@ -36,6 +36,10 @@ NB_MODULE(_spel_cpu, m) {
   m.def("set_simd", &set_simd, nb::arg("enable"), "Allow (default) or forbid the SIMD variants; returns the old setting");
   m.def("set_simd_level", &set_simd_level, nb::arg("level"),
         "The widest SIMD variant allowed (none, avx2, avx512; default avx512); returns the old level");
+  m.def("set_helper", &set_helper, nb::arg("enable"),
+        "Allow (default) or forbid the helper thread that shares attention over a long cache; returns the old setting");
+  m.def("helper_state", &helper_state, "Whether the attention helper thread is used: on, off, off (one usable CPU)");
+  m.def("helper_items_run", &helper_items_run, "Items the helper thread has run so far");
   m.def("profile", &profile, nb::arg("enable"),
         "Time the primitives' bodies (enable); returns and resets {kind: (calls, seconds)}");
   m.def("attend", &attend, nb::arg("q"), nb::arg("k_cache"), nb::arg("v_cache"), nb::arg("pos0"));

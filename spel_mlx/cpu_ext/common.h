@@ -109,6 +109,12 @@ class ParamPrimitive : public CpuPrimitive {
 
 mx::Stream cpu_stream();
 
+// helper.cpp: fn(i) for each i in [0, n) (independent items), shared with a helper
+// thread when the machine has two cores and it is allowed; prewake_helper: a
+// share_items call comes soon (the helper waits for it awake)
+void share_items(int64_t n, const std::function<void(int64_t)>& fn);
+void prewake_helper();
+
 // Argument checks of the ops: a clear ValueError naming the op and the argument.
 void check_f32(const mx::array& a, const char* op, const char* what, int ndim);
 void check_blocks(const mx::array& b, const char* op, const char* what, int64_t d_in);

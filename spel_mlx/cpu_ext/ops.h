@@ -53,4 +53,10 @@ std::string simd();
 bool set_simd(bool enable);
 std::string set_simd_level(const std::string& level);
 
+// helper.cpp: allow (default) or forbid the helper thread that shares attention over a
+// long cache; returns the old setting.  The items it has run so far (tests).
+bool set_helper(bool enable);
+int64_t helper_items_run();
+std::string helper_state();   // "on", "off" or "off (one usable CPU)"
+
 }  // namespace spel

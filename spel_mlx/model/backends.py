@@ -199,8 +199,9 @@ def describe() -> str:
             return "cpu (%s) requested, but %s: select() will fail" % (how, why)
         simd = cpu_ops._spel_cpu.simd()
         return ("cpu (%s): fused CPU primitives (spel_mlx._spel_cpu, %s): FFN, GDN and attention "
-                "sub-blocks, linear, RMSNorm; SIMD %s%s" % (
-                    how, why, simd, ", AVX-512 linear tiles" if simd == "avx512" else ", BLAS linear"))
+                "sub-blocks, linear, RMSNorm; SIMD %s%s; attention helper thread %s" % (
+                    how, why, simd, ", AVX-512 linear tiles" if simd == "avx512" else ", BLAS linear",
+                    cpu_ops._spel_cpu.helper_state()))
     gpu = gpu_backend()
     if device_name() == "gpu":
         return "mlx (%s): MLX ops on the %s GPU" % (how, gpu)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from ..cpu_features import simd_cap
+from ..cpu_features import attention_helper, simd_cap
 from .ops import MLXOps
 
 try:
@@ -19,6 +19,7 @@ try:
     _IMPORT_ERROR = ""
     if simd_cap() not in ("auto", "avx512"):
         _spel_cpu.set_simd_level(simd_cap())
+    _spel_cpu.set_helper(attention_helper())
 except ImportError as e:          # not built (no compiler at install, non-Linux)
     _spel_cpu = None
     _IMPORT_ERROR = str(e)
