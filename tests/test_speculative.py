@@ -51,6 +51,9 @@ class ToyState:
     def discard(self):
         self.pend = []
 
+    def reserve(self, n):
+        assert n <= self.max_seq, (n, self.max_seq)   # the decoder asks for what the call may reach
+
 
 class ToyModel:
     def __init__(self, V=12, max_seq=64, seed=0, draft_noise=1.0, sharp=3.0):

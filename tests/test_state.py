@@ -177,3 +177,20 @@ def test_kv_caches_grow_and_decode_identically(model):
     assert grown.kv_capacity == 256              # kept for the next prompt
     grown.restore(snap)
     assert np.array(m.forward(t[:3], grown)).tobytes() == np.array(m.forward(t[:3], full)).tobytes()
+
+
+def test_decoder_makes_room_for_the_whole_call_before_its_first_round():
+    """Growing the caches mid-call copies them inside one round (measured: a 15-19 ms round
+    at a 2k boundary), so the decoder reserves prompt + max_tokens rows up front."""
+    from spel_mlx.decoding.loop import SpeculativeDecoder
+    from spel_mlx.state import kv_rows
+    cfg = CFG.replace(max_seq=300)
+    m = SpelModel.from_weights(cfg, init_weights(cfg, seed=3))
+    dec = SpeculativeDecoder(m, None, "ar")
+    prompt = [int(t) for t in toks(64, 5)]          # exactly the smallest capacity
+    seen = []
+    out = dec.generate(prompt, 40, on_tokens=lambda _: seen.append(dec.target.state.kv_capacity))
+    assert len(out) == 40 and len(seen) == 40
+    assert set(seen) == {kv_rows(64 + 40, cfg.max_seq)} == {128}
+    dec.generate(prompt, 300 - 64)                  # to max_seq: capped there
+    assert dec.target.state.kv_capacity == 300

@@ -126,6 +126,7 @@ class SpeculativeDecoder:
 
         t0 = time.perf_counter()
         self.target.reset()
+        self.target.reserve(len(prompt) + max_tokens)
         history = prompt[:-1]          # committed in the target
         pending = prompt[-1]
         if proposer is not None:

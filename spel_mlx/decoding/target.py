@@ -32,6 +32,11 @@ class TargetRunner:
         self.state = self.model.new_state("target", ring=self.ring)
         self.pos = 0
 
+    def reserve(self, n: int):
+        """Room for n positions now: growing the caches mid-call copies them (and, in fresh
+        memory, page-faults) inside one round."""
+        self.state.reserve(min(n, self.cfg.max_seq))
+
     def prefill(self, tokens):
         """Commit `tokens` (chunks of at most `ring`, so strict prefill is exact too)."""
         for i in range(0, len(tokens), self.ring):

@@ -36,6 +36,11 @@ class PipelineTarget:
             self.pipe.control = NO_CONTROL     # the old state's last commit no longer matters
             self.pipe.exchange(lambda: self.pipe.post(RESET, flags=STRICT if self.strict else 0, ring=self.ring))
 
+    def reserve(self, n: int):
+        """Room for n positions in this rank's caches (the other ranks grow theirs as they go)."""
+        with self.pipe.lock:
+            self.state.reserve(min(n, self.cfg.max_seq))
+
     def prefill(self, tokens):
         for i in range(0, len(tokens), self.ring):
             chunk = token_ids(tokens[i:i + self.ring])
