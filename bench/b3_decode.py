@@ -8,7 +8,8 @@ Every speculative row carries the cost model beside the measurement, with this r
 own figures: ``c`` = draft time per draft forward / AR token time, ``v`` = verification
 time per K+1 batch / AR token time (both from the row's own rounds), ``alpha`` =
 accepted/proposed, and ``projected = (1 + alpha*K) / ((K+1)*c + v)``. ``speedup`` is the
-row's tok/s over the AR row's tok/s of the same process. The governed rows' projection
+row's tok/s over that of an AR call made just before it in the same process (``ar_tok_s``;
+c and v use it too): the machine's speed drifts from minute to minute. The governed rows' projection
 weights their speculative and AR rounds (a tripped governor runs AR rounds).
 
 Placements: target MLX on GPU or CPU x draft C-on-CPU (the ternary/q8 engine, 1..6
@@ -227,11 +228,17 @@ def run_target_placement(job, regime, tgt_label, tgt_dev, K, warm, gen, prompt, 
                                     status=ERROR, mode="draft-only", **fields))
         for n_mode, (label, mode, fa) in enumerate(SPEC_MODES):
             try:
+                # each row's AR reference is an AR call just before it: this machine's speed
+                # drifts from minute to minute, and a ~1x row (a governor on a useless draft)
+                # divided by an AR call from minutes earlier measured the drift
+                near, _ = decode(model, None, "ar", K, prompt, 0, gen)
                 # one untimed warm call per engine is enough: compiled steps and the
                 # draft's packed weights are shared by every mode that follows
                 st, _ = decode(model, engine, mode, K, prompt, warm if n_mode == 0 else 0, gen,
                                forced_alpha=fa, governor=governor(label))
-                m = cost_fields(st, ar_token_s, ar_tok_s, K, governed=label in ("default spec", "governed spec"))
+                m = cost_fields(st, near.decode_s / near.tokens, near.tok_s, K,
+                                governed=label in ("default spec", "governed spec"))
+                m["ar_tok_s"] = near.tok_s
                 note = "forced acceptance: a system ceiling, not decoding" if mode == "forced" else ""
                 rows.append(make_row(SECTION, label, mode=mode, primary="tok_s", metrics=m,
                                      note=note, forced_alpha=fa, **fields))

@@ -29,7 +29,8 @@ def _sections(results, head_table) -> list:
          "`python -m bench --sections b2ctx --regimes shipped,21m` reruns it alone.",
          lambda: b2ctx_section(results)),
         ("b3", "B3: decode, with the cost model beside every speculative row",
-         "`× AR (measured)` divides the row's tok/s by the AR row of the same process run; "
+         "`× AR (measured)` divides the row's tok/s by an AR call made just before it in the same "
+         "process run (the machine's speed drifts from minute to minute; the AR row is the first such call); "
          "`× AR (cost model)` evaluates the formula with the row's own alpha, c and v "
          "(governed: speculative and AR rounds weighted by their counts). The gap between "
          "the two is what the model leaves out: Python round overhead, argmax, commits.",
