@@ -2,6 +2,7 @@
 thread counts and kernels, ring/commit semantics, propose, errors, and the pool's
 lifecycle (no leaked threads or memory, no deadlock)."""
 import os
+import time
 
 import numpy as np
 import pytest
@@ -55,8 +56,22 @@ def golden_tokens(cfg, n=16, seed=0):
     return np.random.default_rng(seed).integers(0, cfg.vocab, n)
 
 
-def task_count():
-    return len(os.listdir("/proc/self/task"))
+def task_count(expect=None, timeout=2.0):
+    """Threads of this process.  A joined thread's /proc entry can outlive pthread_join by
+    a moment (and a thread of an earlier test can still be exiting), so with `expect` the
+    count is polled until it equals that (or `timeout` s pass), without it until two reads
+    10 ms apart agree: a leaked thread never goes away, a late exit soon does."""
+    deadline = time.monotonic() + timeout
+    last = len(os.listdir("/proc/self/task"))
+    while time.monotonic() < deadline:
+        if expect is not None and last == expect:
+            return last
+        time.sleep(0.01)
+        now = len(os.listdir("/proc/self/task"))
+        if expect is None and now == last:
+            return now
+        last = now
+    return last
 
 
 def rss_kib():
@@ -235,7 +250,7 @@ def test_async_proposal_equals_propose_at(small_weights, threads):
         with pytest.raises(ValueError, match="wait for it first"):
             d.propose_at_async(1, K, 0)
         got = d.wait()
-        assert task_count() == tasks + 1                       # one worker, kept for the next request
+        assert task_count(tasks + 1) == tasks + 1              # one worker, kept for the next request
         assert got == ref.propose_at(first[K], K, K + 1, guess=True) and len(got) == K + 1
         with pytest.raises(ValueError, match="no asynchronous proposal"):
             d.wait()
@@ -250,7 +265,7 @@ def test_async_proposal_equals_propose_at(small_weights, threads):
         d.reset()                                             # finishes the request, then resets
         assert d.pos == 0
         d.propose_at_async(5, K, 0)
-    assert task_count() == tasks0                              # close joined the worker while busy
+    assert task_count(tasks0) == tasks0                        # close joined the worker while busy
 
 
 @pytest.mark.parametrize("threads", [1, 2])
@@ -373,10 +388,10 @@ def test_100_engines_leak_no_threads_or_memory():
     tasks, rss = task_count(), rss_kib()
     for i in range(100):
         d = draft.CDraft(tiny, weights, threads=1 + i % 6)
-        assert task_count() == tasks + d.threads - 1   # helpers exist while it lives
+        assert task_count(tasks + d.threads - 1) == tasks + d.threads - 1   # helpers exist while it lives
         d.step(i % tiny.vocab)
         d.close()
-    assert task_count() == tasks
+    assert task_count(tasks) == tasks
     assert rss_kib() - rss < 2048                       # 100 leaked engines (~90 KiB each) would show
 
 
