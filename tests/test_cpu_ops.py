@@ -127,15 +127,18 @@ def test_attend_over_a_long_cache_keeps_its_bits(ops, scalar_and_simd, M, pos0):
         assert np.array_equal(alone[0], got[m])
 
 
+@pytest.mark.parametrize("simd", [True, False])
 @pytest.mark.parametrize("M,pos0", [(1, 3000), (5, 700), (1, 505)])   # 505: 506..510 keys, not shared
-def test_attention_shared_with_the_helper_thread_keeps_its_bits(ops, M, pos0):
+def test_attention_shared_with_the_helper_thread_keeps_its_bits(ops, M, pos0, simd):
     """Past 512 keys attention's heads are shared with a helper thread (helper.cpp): the
-    bits are those of the caller alone, and the helper does take heads (2+ cores)."""
+    bits are those of the caller alone (SIMD variant or scalar reference), and the helper
+    does take heads (2+ cores)."""
     from spel_mlx import _spel_cpu as E
     H, hd, W = 4, 64, 4096
     q = l2_normalize(_rand((M, H, hd), 1))
     kc, vc = l2_normalize(_rand((W, H, hd), 2)), _rand((W, H, hd), 3)
     try:
+        E.set_simd(simd)
         E.set_helper(False)
         alone = np.asarray(ops.attend(q, kc, vc, pos0, M))
         E.set_helper(True)
@@ -146,6 +149,7 @@ def test_attention_shared_with_the_helper_thread_keeps_its_bits(ops, M, pos0):
         taken = E.helper_items_run() - before
     finally:
         E.set_helper(True)
+        E.set_simd(True)
     for got in runs:
         assert np.array_equal(got, alone)
     if pos0 + M < 512 or len(os.sched_getaffinity(0)) < 2:
