@@ -23,6 +23,7 @@ import time
 
 from .api import (DEFAULT_REPETITION_PENALTY, DEFAULT_TEMPERATURE, DEFAULT_TOP_P, GenerationError, GovernorConfig,
                   LoadError, NoCheckpoint, load, prepare)
+from .decoding.c_proposer import DRAFT_CONTEXT
 from .decoding.sampling import ACCEPT_RULES, DEFAULT_ACCEPT
 from .distributed.link import PipelineError
 
@@ -58,6 +59,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="C draft: draft the next round on another core while the target "
                          "verifies (default auto: with 2+ CPUs and 1 draft thread, while the "
                          "measured wait for it stays below what it saves)")
+    ap.add_argument("--draft-context", type=int, default=DRAFT_CONTEXT,
+                    help="C draft: the most tokens of a long prompt it reads, 0 = all (default "
+                         f"{DRAFT_CONTEXT}; the output is the same, only the speed changes)")
     ap.add_argument("--temperature", type=float, default=DEFAULT_TEMPERATURE,
                     help=f"0 = exact greedy (default {DEFAULT_TEMPERATURE})")
     ap.add_argument("--top-p", type=float, default=DEFAULT_TOP_P)
@@ -238,7 +242,7 @@ def make_request(args, mode, forced_alpha, model, tok, text, stderr):
                           accept=args.accept,
                           mode=mode, draft=draft, k=k, governor=gov, strict=args.strict,
                           draft_threads=args.draft_threads, draft_ahead=args.draft_ahead,
-                          forced_alpha=forced_alpha)
+                          draft_context=args.draft_context, forced_alpha=forced_alpha)
     except GenerationError as e:
         raise UsageError(str(e)) from None
     return request, placement, placed

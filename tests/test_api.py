@@ -132,7 +132,8 @@ def test_detokenizer_equals_one_shot_decode(kind):
     ({"temperature": -1}, "temperature"), ({"top_p": 0}, "top_p"), ({"top_k": -1}, "top_k"),
     ({"repetition_penalty": 0}, "repetition_penalty"), ({"seed": -2}, "seed"), ({"k": 0}, "k"),
     ({"k": 17}, "k"), ({"mode": "fast"}, "mode"), ({"draft": "big"}, "draft"), ({"draft_threads": 9}, "draft_threads"),
-    ({"draft_ahead": "maybe"}, "draft_ahead"), ({"max_tokens": -1}, "max_tokens"), ({"stop": [""]}, "stop"),
+    ({"draft_ahead": "maybe"}, "draft_ahead"), ({"draft_context": -5}, "draft_context"),
+    ({"draft_context": 1.5}, "draft_context"), ({"max_tokens": -1}, "max_tokens"), ({"stop": [""]}, "stop"),
     ({"prompt": ""}, "prompt"), ({"prompt": "a " * 5000}, "prompt"), ({"prompt": [5000]}, "prompt"),
     ({"mode": "forced"}, "forced_alpha"),
 ])

@@ -584,3 +584,23 @@ def test_shipped_c_draft_ahead_hits_and_equals_ar():
     d2 = SpeculativeDecoder(model, draft, "spec", k=4, params=params)
     assert d2.generate(prompt, 30) == d2.generate(prompt, 30)
     draft.close()
+
+
+@pytest.mark.parametrize("ahead", [False, True])
+def test_c_draft_reads_the_last_draft_context_tokens_of_a_long_prompt(shipped_c_run, ahead):
+    """draft_context=N: a fresh C draft starts N tokens before the end of a longer prompt
+    (its own position count says what it read); the output is still the AR output."""
+    ck, model, prompt, ref = shipped_c_run
+    history = prompt[:-1]                                   # 39 tokens: what the target commits first
+    for context, read in ((16, 16), (64, 39), (0, 39)):
+        draft = make_proposer("c", model, ck.weights, k=4, threads=1, ahead=ahead, draft_context=context)
+        draft.reset()
+        draft.start_sync(history)
+        draft.sync(history)
+        assert (int(draft.cdraft.pos), draft.pos) == (read, len(history)), context
+        dec = SpeculativeDecoder(model, draft, "spec", k=4, governor=GovernorConfig(policy="off"))
+        assert dec.generate(prompt, 60) == ref
+        assert dec.stats.proposed > 0
+        draft.close()
+    with pytest.raises(DecodeError, match="draft_context=-1"):
+        make_proposer("c", model, ck.weights, k=4, draft_context=-1)

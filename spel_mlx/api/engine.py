@@ -10,6 +10,7 @@ from dataclasses import dataclass
 # SamplingParams, checked_prompt and DEFAULT_ACCEPT are re-exported: generation.py reaches decoding only here
 from ..decoding import MODES, PROPOSER_KINDS, DecodeError, GovernorConfig, SamplingParams, SpeculativeDecoder  # noqa: F401
 from ..decoding.ahead import usable_cpus
+from ..decoding.c_proposer import DRAFT_CONTEXT
 from ..decoding.factory import default_draft_threads, make_proposer
 from ..decoding.loop import MAX_K, checked_prompt  # noqa: F401
 from ..decoding.sampling import DEFAULT_ACCEPT, SamplingError  # noqa: F401
@@ -30,6 +31,7 @@ class DecodeSettings:
     strict: bool = False
     draft_threads: int | None = None   # C draft workers (None: SPEL_DRAFT_THREADS, else 1)
     draft_ahead: str = "auto"          # the C draft drafts the next round during verification
+    draft_context: int = DRAFT_CONTEXT   # the most tokens of a long prompt the C draft reads (0: all)
     governor: GovernorConfig | None = None
     forced_alpha: float | None = None
 
@@ -65,6 +67,9 @@ def check(settings: DecodeSettings, cfg) -> None:
         raise DecodeError(f"draft_threads={t!r}: must be an integer in 1..{MAX_DRAFT_THREADS}")
     if settings.draft_ahead not in ("auto", "on", "off"):
         raise DecodeError(f"draft_ahead={settings.draft_ahead!r}: expected auto, on or off")
+    c = settings.draft_context
+    if isinstance(c, bool) or not isinstance(c, int) or c < 0:
+        raise DecodeError(f"draft_context={c!r}: must be an integer >= 0 (0: the whole prompt)")
     if settings.mode == "forced" and not (isinstance(settings.forced_alpha, (int, float))
                                           and 0.0 <= settings.forced_alpha <= 1.0):
         raise DecodeError(f"forced_alpha={settings.forced_alpha!r}: mode forced needs one in [0, 1]")
@@ -88,13 +93,14 @@ def _proposer(loaded, settings: DecodeSettings, k: int, params):
     else:
         ahead = settings.draft_ahead == "on"
     ahead = ahead if kind in ("c", "auto") else False
-    key = (kind, k, threads, ahead, settings.strict)
+    key = (kind, k, threads, ahead, settings.strict, settings.draft_context)
     cache = loaded.drafts
     if key in cache:
         cache.move_to_end(key)
         return cache[key]
     proposer = make_proposer(kind, loaded.model, loaded.weights, k=k, threads=threads, strict=settings.strict,
-                             auto_fallback="c" if clib.available() else "mlx", ahead=ahead)
+                             auto_fallback="c" if clib.available() else "mlx", ahead=ahead,
+                             draft_context=settings.draft_context)
     cache[key] = proposer
     while len(cache) > MAX_CACHED_DRAFTS:
         cache.popitem(last=False)[1].close()

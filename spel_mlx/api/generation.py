@@ -141,7 +141,7 @@ def prepare(model, tokenizer, prompt, max_tokens: int = DEFAULT_MAX_TOKENS, *,
             accept: str = engine.DEFAULT_ACCEPT, stop=None,
             mode: str = "spec", draft=None, k: int | None = None, governor=None,
             strict: bool = False, draft_threads: int | None = None, draft_ahead: str = "auto",
-            forced_alpha: float | None = None) -> Request:
+            draft_context: int = engine.DRAFT_CONTEXT, forced_alpha: float | None = None) -> Request:
     """A checked Request (see `stream_generate` for the arguments)."""
     cfg = model.cfg
     if isinstance(prompt, str):
@@ -161,7 +161,8 @@ def prepare(model, tokenizer, prompt, max_tokens: int = DEFAULT_MAX_TOKENS, *,
     params = engine.SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p,
                                    repetition_penalty=repetition_penalty, seed=seed, accept=accept)
     settings = engine.DecodeSettings(mode=mode, draft=draft, k=k, strict=strict, draft_threads=draft_threads,
-                                     draft_ahead=draft_ahead, governor=governor, forced_alpha=forced_alpha)
+                                     draft_ahead=draft_ahead, draft_context=draft_context, governor=governor,
+                                     forced_alpha=forced_alpha)
     try:
         params.validate()
         engine.check(settings, cfg)
@@ -184,7 +185,8 @@ def stream_generate(model, tokenizer, prompt, max_tokens: int = DEFAULT_MAX_TOKE
     not included).  Decoding: mode ("spec", "ar", "governed"), draft ("c", "mlx",
     "ngram", "auto"; default the C draft when built), k (proposals per round),
     governor (a GovernorConfig), strict, draft_threads, draft_ahead ("auto", "on",
-    "off").  Arguments are checked now; decoding starts at the first `next`."""
+    "off"), draft_context (the most tokens of a long prompt the C draft reads; 0: all).
+    Arguments are checked now; decoding starts at the first `next`."""
     return prepare(model, tokenizer, prompt, max_tokens, **options).stream()
 
 

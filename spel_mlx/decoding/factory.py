@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from .ahead import AheadPolicy, spare_core
 from .auto import AutoProposer
-from .c_proposer import CDraftAheadProposer, CDraftProposer
+from .c_proposer import DRAFT_CONTEXT, CDraftAheadProposer, CDraftProposer
 from .loop import DecodeError
 from .mlx_proposer import MLXProposer
 from .ngram import NgramProposer
@@ -23,13 +23,16 @@ def default_draft_threads() -> int:
 
 def make_proposer(kind: str, model, weights=None, k: int = 4, threads: int | None = None,
                   strict: bool = False, ngram_n=(2, 4), auto_fallback: str = "c",
-                  ahead: bool | str = False) -> Proposer:
+                  ahead: bool | str = False, draft_context: int = DRAFT_CONTEXT) -> Proposer:
     """Build a proposer by name.  `weights` (the weights dict) is needed by the C
     draft (threads None = SPEL_DRAFT_THREADS, else 1); "auto" puts the n-gram
     proposer ahead of `auto_fallback`.  `ahead`: the C draft drafts the next round
     during verification (CDraftAheadProposer; greedy): True always, "auto" while that
-    pays (ahead.AheadPolicy, starting from whether a core looks free)."""
+    pays (ahead.AheadPolicy, starting from whether a core looks free).  `draft_context`:
+    the most tokens of a long prompt the C draft reads (0: all)."""
     ring = k + 1
+    if isinstance(draft_context, bool) or not isinstance(draft_context, int) or draft_context < 0:
+        raise DecodeError(f"draft_context={draft_context!r}: an integer >= 0 (0: the whole prompt)")
     if kind == "mlx":
         return MLXProposer(model, "draft", ring=ring, strict=strict)
     if kind == "target":
@@ -42,9 +45,11 @@ def make_proposer(kind: str, model, weights=None, k: int = 4, threads: int | Non
             raise DecodeError("the C draft needs the checkpoint's weights")
         if ahead:
             policy = AheadPolicy(start_ahead=spare_core()) if ahead == "auto" else None
-            return CDraftAheadProposer(CDraft(model.cfg, weights, threads=threads, ring=2 * k + 2), policy)
-        return CDraftProposer(CDraft(model.cfg, weights, threads=threads, ring=ring))
+            return CDraftAheadProposer(CDraft(model.cfg, weights, threads=threads, ring=2 * k + 2), policy,
+                                       draft_context)
+        return CDraftProposer(CDraft(model.cfg, weights, threads=threads, ring=ring), draft_context)
     if kind == "auto":
-        fallback = make_proposer(auto_fallback, model, weights, k, threads, strict, ngram_n, ahead=ahead)
+        fallback = make_proposer(auto_fallback, model, weights, k, threads, strict, ngram_n, ahead=ahead,
+                                 draft_context=draft_context)
         return AutoProposer(NgramProposer(model.cfg.vocab, *ngram_n), fallback)
     raise DecodeError(f"draft {kind!r}: expected one of {', '.join(PROPOSER_KINDS)}")
