@@ -10,7 +10,7 @@ from dataclasses import dataclass
 # SamplingParams, checked_prompt and DEFAULT_ACCEPT are re-exported: generation.py reaches decoding only here
 from ..decoding import MODES, PROPOSER_KINDS, DecodeError, GovernorConfig, SamplingParams, SpeculativeDecoder  # noqa: F401
 from ..decoding.ahead import usable_cpus
-from ..decoding.c_proposer import DRAFT_CONTEXT
+from ..decoding.c_proposer import DRAFT_CONTEXT, checked_draft_context
 from ..decoding.factory import default_draft_threads, make_proposer
 from ..decoding.loop import MAX_K, checked_prompt  # noqa: F401
 from ..decoding.sampling import DEFAULT_ACCEPT, SamplingError  # noqa: F401
@@ -67,9 +67,10 @@ def check(settings: DecodeSettings, cfg) -> None:
         raise DecodeError(f"draft_threads={t!r}: must be an integer in 1..{MAX_DRAFT_THREADS}")
     if settings.draft_ahead not in ("auto", "on", "off"):
         raise DecodeError(f"draft_ahead={settings.draft_ahead!r}: expected auto, on or off")
-    c = settings.draft_context
-    if isinstance(c, bool) or not isinstance(c, int) or c < 0:
-        raise DecodeError(f"draft_context={c!r}: must be an integer >= 0 (0: the whole prompt)")
+    try:
+        checked_draft_context(settings.draft_context)
+    except ValueError as e:
+        raise DecodeError(str(e)) from None
     if settings.mode == "forced" and not (isinstance(settings.forced_alpha, (int, float))
                                           and 0.0 <= settings.forced_alpha <= 1.0):
         raise DecodeError(f"forced_alpha={settings.forced_alpha!r}: mode forced needs one in [0, 1]")

@@ -13,6 +13,12 @@ from .proposer import Proposer, wants_qs
 DRAFT_CONTEXT = 1536
 
 
+def checked_draft_context(context) -> int:
+    if isinstance(context, bool) or not isinstance(context, int) or context < 0:
+        raise ValueError(f"draft_context={context!r}: must be an integer >= 0 (0: the whole prompt)")
+    return context
+
+
 class CDraftProposer(Proposer):
     """Proposals through the C ``propose`` (k+1 forwards in one call, no commit): the
     argmax, or for sampling and the repetition penalty the C draft's own coupled
@@ -21,10 +27,8 @@ class CDraftProposer(Proposer):
     name = "c"
 
     def __init__(self, cdraft, context: int = DRAFT_CONTEXT):
-        if isinstance(context, bool) or not isinstance(context, int) or context < 0:
-            raise ValueError(f"draft context={context!r}: an integer >= 0 (0: the whole history)")
+        self.context = checked_draft_context(context)
         self.cdraft = cdraft
-        self.context = context
         self.ring = max(2, int(getattr(cdraft, "ring", 2)))
         self.forwards = 0
         self._base = int(cdraft.pos)

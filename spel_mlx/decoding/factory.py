@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from .ahead import AheadPolicy, spare_core
 from .auto import AutoProposer
-from .c_proposer import DRAFT_CONTEXT, CDraftAheadProposer, CDraftProposer
+from .c_proposer import DRAFT_CONTEXT, CDraftAheadProposer, CDraftProposer, checked_draft_context
 from .loop import DecodeError
 from .mlx_proposer import MLXProposer
 from .ngram import NgramProposer
@@ -31,8 +31,10 @@ def make_proposer(kind: str, model, weights=None, k: int = 4, threads: int | Non
     pays (ahead.AheadPolicy, starting from whether a core looks free).  `draft_context`:
     the most tokens of a long prompt the C draft reads (0: all)."""
     ring = k + 1
-    if isinstance(draft_context, bool) or not isinstance(draft_context, int) or draft_context < 0:
-        raise DecodeError(f"draft_context={draft_context!r}: an integer >= 0 (0: the whole prompt)")
+    try:
+        checked_draft_context(draft_context)
+    except ValueError as e:
+        raise DecodeError(str(e)) from None
     if kind == "mlx":
         return MLXProposer(model, "draft", ring=ring, strict=strict)
     if kind == "target":
