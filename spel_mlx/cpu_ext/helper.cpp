@@ -3,7 +3,9 @@
 // claimed one at a time, so a helper the OS does not schedule costs the caller only
 // the wake-up: the caller then takes every item itself.  Which thread runs an item
 // changes no arithmetic, so the bits do not depend on the split.
+#if defined(__linux__)
 #include <sched.h>
+#endif
 #include <unistd.h>
 
 #include <chrono>
@@ -115,9 +117,11 @@ class Helper {
 
 // CPUs this process may run on (its affinity mask)
 unsigned usable_cpus() {
+#if defined(__linux__)
   cpu_set_t set;
   if (sched_getaffinity(0, sizeof(set), &set) == 0) return static_cast<unsigned>(CPU_COUNT(&set));
-  return std::thread::hardware_concurrency();
+#endif
+  return std::thread::hardware_concurrency();   // no affinity mask to read (macOS)
 }
 
 // The process's helper, or null when there is no second core or it is switched off.
