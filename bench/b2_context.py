@@ -130,15 +130,14 @@ def ar_decode_rows(model, regime, contexts, gen, repeats) -> list:
     for rep in range(repeats):
         for ctx in contexts:
             for helper in ((True, False) if rep % 2 == 0 else (False, True)):
-                if _spel_cpu is not None:
-                    _spel_cpu.set_helper(helper)
-                elif not helper:
+                if _spel_cpu is None and not helper:
                     continue
+                old = _spel_cpu.set_helper(helper) if _spel_cpu is not None else None
                 try:
                     dec.generate(context_prompt(regime, ctx), gen)
                 finally:
                     if _spel_cpu is not None:
-                        _spel_cpu.set_helper(True)
+                        _spel_cpu.set_helper(old)
                 (rates if helper else alone)[ctx].append(dec.stats.tok_s)
     base = median(rates[contexts[0]])
     return [make_row(SECTION, f"AR decode, context {ctx}", regime=regime["name"], placement="target=mlx-cpu", mode="ar",

@@ -22,9 +22,10 @@ print(json.dumps({"simd": cpu_ops._spel_cpu.simd(), "fma": bool(cpu_ops._spel_cp
 """
 
 
-def probe(level: str) -> dict:
-    env = {"SPEL_SIMD": level, "PATH": "/usr/bin:/bin"}
-    out = subprocess.run([sys.executable, "-c", PROBE], capture_output=True, text=True, env=env, timeout=300)
+def probe(level: str, code: str = PROBE, var: str = "SPEL_SIMD") -> dict:
+    """The JSON that `code` prints in a fresh process with `var`=`level`."""
+    env = {var: level, "PATH": "/usr/bin:/bin"}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     return json.loads(out.stdout.strip().splitlines()[-1])
 
@@ -70,13 +71,7 @@ def test_attention_helper_switch(monkeypatch):
         attention_helper()
     if not cpu_ops.available():
         pytest.skip(cpu_ops.status()[1])
-    runs = {}
-    for value in ("0", "1"):
-        env = {"SPEL_ATTENTION_HELPER": value, "PATH": "/usr/bin:/bin"}
-        out = subprocess.run([sys.executable, "-c", HELPER_PROBE], capture_output=True, text=True, env=env,
-                             timeout=300)
-        assert out.returncode == 0, out.stderr[-2000:]
-        runs[value] = json.loads(out.stdout.strip().splitlines()[-1])
+    runs = {value: probe(value, HELPER_PROBE, "SPEL_ATTENTION_HELPER") for value in ("0", "1")}
     assert runs["0"]["state"] == "off" and runs["0"]["items"] == 0
     assert runs["0"]["text"] == runs["1"]["text"] and len(runs["1"]["text"]) > 20
     if runs["1"]["state"] == "on":

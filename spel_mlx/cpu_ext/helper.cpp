@@ -115,21 +115,23 @@ class Helper {
   std::thread thread_;
 };
 
-// CPUs this process may run on (its affinity mask)
+// CPUs this process may run on (its affinity mask), read once
 unsigned usable_cpus() {
+  static const unsigned n = [] {
 #if defined(__linux__)
-  cpu_set_t set;
-  if (sched_getaffinity(0, sizeof(set), &set) == 0) return static_cast<unsigned>(CPU_COUNT(&set));
+    cpu_set_t set;
+    if (sched_getaffinity(0, sizeof(set), &set) == 0) return static_cast<unsigned>(CPU_COUNT(&set));
 #endif
-  return std::thread::hardware_concurrency();   // no affinity mask to read (macOS)
+    return std::thread::hardware_concurrency();   // no affinity mask to read (macOS)
+  }();
+  return n;
 }
 
 // The process's helper, or null when there is no second core or it is switched off.
 // Never destroyed (a detached thread waits in it); a forked child, which has no copy
 // of the thread, starts its own.
 Helper* helper() {
-  static const unsigned cores = usable_cpus();
-  if (cores < 2 || !helper_allowed.load(std::memory_order_relaxed)) return nullptr;
+  if (usable_cpus() < 2 || !helper_allowed.load(std::memory_order_relaxed)) return nullptr;
   static std::mutex mu;
   static Helper* one = nullptr;
   static pid_t owner = 0;
