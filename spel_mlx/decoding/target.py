@@ -35,7 +35,7 @@ class TargetRunner:
     def reserve(self, n: int):
         """Room for n positions now: growing the caches mid-call copies them (and, in fresh
         memory, page-faults) inside one round."""
-        self.state.reserve(n)    # capped at max_seq by the state
+        self.state.reserve(min(n, self.cfg.max_seq))
 
     def prefill(self, tokens):
         """Commit `tokens` (chunks of at most `ring`, so strict prefill is exact too)."""

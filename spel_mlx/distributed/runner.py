@@ -39,7 +39,7 @@ class PipelineTarget:
     def reserve(self, n: int):
         """Room for n positions in this rank's caches (the other ranks grow theirs as they go)."""
         with self.pipe.lock:
-            self.state.reserve(n)
+            self.state.reserve(min(n, self.cfg.max_seq))
 
     def prefill(self, tokens):
         for i in range(0, len(tokens), self.ring):
