@@ -6,7 +6,7 @@ of CPUs without AVX-512 (or without SIMD) on a machine that has it.
     SPEL_SIMD=none     the scalar references everywhere
 
 SPEL_ATTENTION_HELPER=0 keeps the target's attention over a long cache on one thread
-(default 1: its heads are shared with a helper thread when the process may use two
+(default 1: its key chunks are shared with a helper thread when the process may use two
 CPUs; the same bits either way).
 """
 from __future__ import annotations

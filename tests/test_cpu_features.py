@@ -63,7 +63,7 @@ print(json.dumps({"state": cpu_ops._spel_cpu.helper_state(), "items": cpu_ops._s
 
 def test_attention_helper_switch(monkeypatch):
     """SPEL_ATTENTION_HELPER=0 keeps attention on one thread; a long prompt decodes to the
-    same text either way, and by default the helper thread did take heads (2+ CPUs)."""
+    same text either way, and by default the helper thread did take key chunks (2+ CPUs)."""
     from spel_mlx.cpu_features import attention_helper
     from spel_mlx.model import cpu_ops
     monkeypatch.setenv("SPEL_ATTENTION_HELPER", "maybe")

@@ -98,7 +98,8 @@ def test_conv_matches_mlx_ops(ops, M):
     assert _diff(u, u_ref) < 1e-6 and _diff(tails, tails_ref) == 0
 
 
-@pytest.mark.parametrize("M,pos0,W", [(1, 0, 64), (5, 37, 64), (5, 123, 128), (17, 400, 512)])
+@pytest.mark.parametrize("M,pos0,W", [(1, 0, 64), (5, 37, 64), (5, 123, 128), (17, 400, 512),
+                                      (5, 1500, 2048), (1, 3999, 4096)])   # 3-8 chunks merged
 def test_attend_matches_mlx_ops_and_masks_the_future(ops, M, pos0, W):
     H, hd = 3, 32
     q = l2_normalize(_rand((M, H, hd), 1))
@@ -112,11 +113,12 @@ def test_attend_matches_mlx_ops_and_masks_the_future(ops, M, pos0, W):
         assert _diff(ops.attend(q, kc2, vc, pos, M), got) == 0
 
 
-@pytest.mark.parametrize("M,pos0", [(1, 900), (5, 700), (5, 252)])   # 252: rows on both sides of 256
+@pytest.mark.parametrize("M,pos0", [(1, 900), (5, 700), (5, 252), (5, 1020)])
 def test_attend_over_a_long_cache_keeps_its_bits(ops, scalar_and_simd, M, pos0):
     """Past 256 keys the walk first reads each key block in address order (attend_blocked.cpp,
-    touch_block): the SIMD variant still gives the scalar reference's bits, and every row of
-    a batch the bits of that query alone."""
+    touch_block), past 512 keys chunks of 512 are merged (1020: rows on both sides of a chunk
+    edge, 252: of 256): the SIMD variant still gives the scalar reference's bits, and every row
+    of a batch the bits of that query alone."""
     H, hd, W = 4, 64, 1024
     q = l2_normalize(_rand((M, H, hd), 1))
     kc, vc = l2_normalize(_rand((W, H, hd), 2)), _rand((W, H, hd), 3)
@@ -128,11 +130,11 @@ def test_attend_over_a_long_cache_keeps_its_bits(ops, scalar_and_simd, M, pos0):
 
 
 @pytest.mark.parametrize("simd", [True, False])
-@pytest.mark.parametrize("M,pos0", [(1, 3000), (5, 700), (1, 505)])   # 505: 506..510 keys, not shared
+@pytest.mark.parametrize("M,pos0", [(1, 3000), (5, 700), (1, 510)])   # 510: 511 keys, one chunk: not shared
 def test_attention_shared_with_the_helper_thread_keeps_its_bits(ops, M, pos0, simd):
-    """Past 512 keys attention's heads are shared with a helper thread (helper.cpp): the
+    """Past 512 keys attention's key chunks are shared with a helper thread (helper.cpp): the
     bits are those of the caller alone (SIMD variant or scalar reference), and the helper
-    does take heads (2+ cores)."""
+    does take chunks (2+ cores)."""
     from spel_mlx import _spel_cpu as E
     from spel_mlx.decoding.ahead import usable_cpus
     H, hd, W = 4, 64, 4096
@@ -153,10 +155,10 @@ def test_attention_shared_with_the_helper_thread_keeps_its_bits(ops, M, pos0, si
         E.set_simd(True)
     for got in runs:
         assert np.array_equal(got, alone)
-    if pos0 + M < 512 or usable_cpus() < 2:
+    if pos0 + M <= 512 or usable_cpus() < 2:
         assert taken == 0
     else:
-        assert taken > 0    # calls of 4 heads each until the helper wakes in time for one
+        assert taken > 0    # calls of 2-6 chunks each until the helper wakes in time for one
 
 
 def test_rms_norm_and_gate(ops):

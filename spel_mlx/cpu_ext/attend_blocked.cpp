@@ -4,11 +4,13 @@
 // polynomial of model.silu_mul.  A scalar reference and AVX-512 / AVX2 variants that
 // do the same float operations in the same order (identical bits; tests compare).
 //
-// Every query walks the same absolute key blocks 0, 16, 32, ... with its own running
-// max, sum and accumulators, so its result does not depend on M or on its row in the
-// batch: a K+1 pass gives each row the bits of the single-token pass.  Heads are
-// independent too, so over a long cache they are shared with a helper thread
-// (helper.cpp) at no change of bits.
+// The keys are cut into chunks of CHUNK absolute positions.  Each chunk is reduced from
+// its own running state, walking its blocks 0, 16, 32, ... (every head of a block, so a
+// walk reads whole cache rows in address order), and the chunks' states are merged in
+// chunk order.  A query's result therefore does not depend on M or on its row in the
+// batch (a K+1 pass gives each row the bits of the single-token pass), nor on which
+// thread reduced a chunk: over a long cache the chunks are shared with a helper thread
+// (helper.cpp).  Up to CHUNK keys there is one chunk and no merge.
 //
 // The canonical order, per (query m, head h), of one block [b0, b0 + nb) (nb <= BK):
 //   score of key w: 16 lanes a[l] = fma chain over j of q[16j+l] k_w[16j+l] (lanes past
@@ -18,6 +20,8 @@
 //   lanes[w] = fma(lanes[w], alpha, p_w);
 //   acc[d] = fma(acc[d], alpha, even[d] + odd[d]), even/odd = fma chains over the
 //     block's even / odd keys in order;
+// merging chunk state (m', lanes', acc') into (m, lanes, acc): mx = max(m, m'),
+//   a = 2^(m - mx), b = 2^(m' - mx), lanes = fma(lanes, a, lanes' b), acc = fma(acc, a, acc' b);
 // and at the end o[d] = acc[d] / (halving tree of lanes).
 #include <algorithm>
 #include <cmath>
@@ -74,15 +78,15 @@ struct Running {
 // cache line of the block's K and V rows, in address order, first brings the block in
 // as a stream (measured in docs/model.md; software prefetches did not).  Reads only.
 constexpr int64_t TOUCH_FROM = 256;   // keys; a shorter cache stays in the caches
-// Past this many keys the heads are shared with the helper thread: two cores stream
-// the cache (docs/model.md); below it the hand-over costs about what it saves.
-constexpr int64_t SHARE_FROM = 512;
+// Keys per chunk: an item of work for the helper thread (two cores stream the cache,
+// docs/model.md); one chunk, up to this many keys, is not worth a hand-over.
+constexpr int64_t CHUNK = 512;
 
 inline void touch_block(const AttendArgs& A, int64_t b0, int64_t nb) {
   const int64_t bytes = 4 * A.hd;
   unsigned t = 0;
   for (int64_t w = b0; w < b0 + nb; w++)
-    for (int64_t h = A.h_begin; h < A.h_end; h++) {   // whatever the strides, only the elements read later
+    for (int64_t h = 0; h < A.H; h++) {   // whatever the strides, only the elements read later
       const unsigned char* k = reinterpret_cast<const unsigned char*>(A.key(w, h));
       const unsigned char* v = reinterpret_cast<const unsigned char*>(A.value(w, h));
       for (int64_t b = 0; b < bytes; b += 64) t |= k[b] | v[b];
@@ -91,17 +95,17 @@ inline void touch_block(const AttendArgs& A, int64_t b0, int64_t nb) {
   asm volatile("" : : "r"(t));   // the loads are the point: keep them
 }
 
-// The walk every variant shares: key blocks in order, then heads, then the queries
-// that see the block; block(b0, nb, h, q, m_run, lanes, acc) does one (query, head).
+// The walk every variant shares: the chunk's key blocks in order, then heads, then the
+// queries that see the block; block(b0, nb, h, q, m_run, lanes, acc) does one (query, head).
 template <class Block>
 void walk(const AttendArgs& A, Running& R, Block block) {
-  const int64_t end = A.visible(A.M - 1);
-  const bool touch = end >= TOUCH_FROM;
-  for (int64_t b0 = 0; b0 < end; b0 += BK) {
+  const int64_t end = std::min(A.visible(A.M - 1), A.k_end);
+  const bool touch = A.visible(A.M - 1) >= TOUCH_FROM;
+  for (int64_t b0 = A.k_begin; b0 < end; b0 += BK) {
     if (touch) touch_block(A, b0, std::min<int64_t>(BK, end - b0));
-    for (int64_t h = A.h_begin; h < A.h_end; h++)
+    for (int64_t h = 0; h < A.H; h++)
       for (int64_t m = 0; m < A.M; m++) {
-        const int64_t nb = std::min<int64_t>(BK, A.visible(m) - b0);
+        const int64_t nb = std::min<int64_t>(BK, std::min(A.visible(m), A.k_end) - b0);
         if (nb <= 0) continue;
         const int64_t r = m * A.H + h;
         block(b0, nb, h, A.Q + r * A.hd, R.m[r], R.lanes.data() + r * BK, R.acc.data() + r * A.hd);
@@ -336,38 +340,51 @@ bool attend_simd(const AttendArgs& A, Running& R) {
 }
 #endif
 
-void attend_heads(const AttendArgs& A, Running& R) {
+void attend_keys(const AttendArgs& A, Running& R) {
 #if SPEL_AVX2
   if (!attend_simd(A, R))
 #endif
     attend_ref(A, R);
 }
 
+// R = R merged with the next chunk's state S (the canonical order above)
+void merge_chunk(Running& R, const Running& S, int64_t n, int64_t hd) {
+  for (int64_t r = 0; r < n; r++) {
+    if (S.m[r] == -INFINITY) continue;   // the chunk is past this query's keys
+    const float mx = std::max(R.m[r], S.m[r]);
+    const float a = exp2_nonpos(R.m[r] - mx), b = exp2_nonpos(S.m[r] - mx);
+    R.m[r] = mx;
+    for (int l = 0; l < BK; l++) R.lanes[r * BK + l] = std::fma(R.lanes[r * BK + l], a, S.lanes[r * BK + l] * b);
+    for (int64_t d = 0; d < hd; d++) R.acc[r * hd + d] = std::fma(R.acc[r * hd + d], a, S.acc[r * hd + d] * b);
+  }
+}
+
 }  // namespace
 
 void attend_coming(int64_t rows) {
-  if (rows >= SHARE_FROM) prewake_helper();
+  if (rows > CHUNK) prewake_helper();
 }
 
 void attend_rows(const AttendArgs& all, float* O) {
-  static thread_local Running this_thread;
-  Running& R = this_thread;   // a name the helper's lambda can capture (not its own thread_local)
-  R.reset(all.M * all.H, all.hd);
-  // a long cache: the heads shared with the helper thread, one item each
-  if (all.visible(all.M - 1) >= SHARE_FROM) {
-    share_items(all.H, [&](int64_t h) {
-      AttendArgs A = all;
-      A.h_begin = h;
-      A.h_end = h + 1;
-      attend_heads(A, R);
-    });
-  } else {
+  static thread_local std::vector<Running> this_thread;
+  std::vector<Running>& parts = this_thread;   // a name the helper's lambda can capture
+  const int64_t n = all.M * all.H, keys = all.visible(all.M - 1);
+  const int64_t chunks = (keys + CHUNK - 1) / CHUNK;
+  if (static_cast<int64_t>(parts.size()) < chunks) parts.resize(chunks);
+  auto reduce = [&](int64_t c) {
     AttendArgs A = all;
-    A.h_begin = 0;
-    A.h_end = all.H;
-    attend_heads(A, R);
-  }
-  for (int64_t r = 0; r < all.M * all.H; r++) {
+    A.k_begin = c * CHUNK;
+    A.k_end = std::min(keys, A.k_begin + CHUNK);
+    parts[c].reset(n, all.hd);
+    attend_keys(A, parts[c]);
+  };
+  if (chunks > 1)
+    share_items(chunks, reduce);   // a long cache: the chunks shared with the helper thread
+  else
+    reduce(0);
+  Running& R = parts[0];
+  for (int64_t c = 1; c < chunks; c++) merge_chunk(R, parts[c], n, all.hd);
+  for (int64_t r = 0; r < n; r++) {
     const float l = halving_sum16(R.lanes.data() + r * BK);
     for (int64_t d = 0; d < all.hd; d++) O[r * all.hd + d] = R.acc[r * all.hd + d] / l;
   }

@@ -1,4 +1,4 @@
-// A second thread that shares a primitive body's independent items (the heads of
+// A second thread that shares a primitive body's independent items (the key chunks of
 // attention over a long cache) when the machine has a core to spare.  Items are
 // claimed one at a time, so a helper the OS does not schedule costs the caller only
 // the wake-up: the caller then takes every item itself.  Which thread runs an item

@@ -31,7 +31,7 @@ struct AttendArgs {
   int64_t k_row, k_head, v_row, v_head;   // strides in elements
   int64_t M, H, hd, pos0, rows;
   float c;                                // sqrt(hd) log2(e): scores in log2 units
-  int64_t h_begin = 0, h_end = 0;         // the heads one walk computes (attend_rows sets them)
+  int64_t k_begin = 0, k_end = 0;         // the keys one walk reduces: a chunk (attend_rows sets it)
   int64_t visible(int64_t m) const { return pos0 + m + 1 < rows ? pos0 + m + 1 : rows; }
   const float* key(int64_t w, int64_t h) const { return K + w * k_row + h * k_head; }
   const float* value(int64_t w, int64_t h) const { return V + w * v_row + h * v_head; }
