@@ -1,7 +1,7 @@
 """``python -m spel_mlx.info [--preset P] [--config k=v,...]``
 
 Prints which BLAS MLX resolved, the MLX version and device, its GPU (Metal, CUDA or
-none, with why), the sequence-kernel path, the effective configuration and its
+none, with why), the sequence-kernel path, whether huge pages back the weights, the effective configuration and its
 parameter counts / FP32 sizes.  A bad configuration is a one-line error, exit 2.
 """
 from __future__ import annotations
@@ -10,7 +10,7 @@ import argparse
 import sys
 
 import spel_mlx  # noqa: F401  (loads the BLAS before mlx.core)
-from . import layout
+from . import huge_pages, layout
 from .config import PRESETS, ConfigError, resolve_config
 
 
@@ -48,6 +48,7 @@ def report(cfg) -> list:
         f"mlx:            {mx.__version__}  default device {mx.default_device()}",
         f"gpu:            {_gpu()}",
         f"kernels:        {_kernel_path()}",
+        f"huge pages:     {huge_pages.state()} (weights and KV caches; SPEL_HUGE_PAGES=0 turns it off)",
         "config:         " + ",".join(f"{k}={':'.join(map(str, v)) if k == 'draft_map' else v}"
                                       for k, v in cfg.to_dict().items()),
         f"layers:         {len(cfg.gdn_layers)} GDN + {len(cfg.attention_layers)} attention "

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from . import huge_pages
 from .config import ModelConfig
 
 import mlx.core as mx  # noqa: E402  (spel_mlx is imported first: BLAS loaded)
@@ -115,6 +116,7 @@ class DecodeState:
             for i, a in cache.items():
                 cache[i] = mx.concatenate([a, mx.zeros((rows - a.shape[0], *a.shape[1:]), a.dtype)])
         mx.eval(list(self.k_cache.values()), list(self.v_cache.values()))
+        huge_pages.back(list(self.k_cache.values()) + list(self.v_cache.values()))
         self.kv_capacity = rows
 
     def slot_gdn(self, layer: int, slot: int):

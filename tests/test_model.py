@@ -272,7 +272,7 @@ def test_info_cli(capsys):
     assert info.main(["--preset", "21m"]) == 0
     out = capsys.readouterr().out
     assert "params target:  21,352,044" in out and "params draft:   7,084,452" in out
-    assert "GDN 590,988" in out and "blas:" in out and "mlx:" in out and "kernels:" in out
+    assert "GDN 590,988" in out and "blas:" in out and "mlx:" in out and "kernels:" in out and "huge pages:" in out
     assert info.main(["--preset", "218m"]) == 0
     out = capsys.readouterr().out
     assert "218,436,992" in out and "54,543,456" in out

@@ -82,6 +82,10 @@ class Linear(nn.Module):
         """The warm contiguous [nb, in, rb] blocks of an M-row product, or None."""
         return self._cache().get(("3d", row_block(*self.weight.shape, M)))
 
+    def layouts(self) -> list:
+        """The warm layouts built so far (what the CPU products read)."""
+        return list(self._cache().values())
+
     def warm(self, M: int, blocks: bool = False) -> None:
         """Build the layout an M-row product uses; ``blocks``: also as one 3-D
         [nb, in, rb] array (a single block for a plain W^T), what the fused CPU

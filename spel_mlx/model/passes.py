@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import mlx.core as mx
 
+from .. import huge_pages
+
 MIN_WINDOW = 64  # smallest attention window of a pass
 
 
@@ -81,6 +83,8 @@ def make_pass(model, stack: str, M: int, win: int | None):
             ops.prepare_linear(lin, M)
     if model.lm_head is not None:      # None: a pipeline stage before the last
         ops.prepare_linear(model.lm_head, M)
+    lins = [lin for blk in layers for lin in blk.linears()] + [model.lm_head] * (model.lm_head is not None)
+    huge_pages.back([a for lin in lins for a in lin.layouts()])
 
     def one_pass(tokens, pos, gdn_in, kv_in):
         gdn_it, kv_it = iter(gdn_in), iter(kv_in)

@@ -1,0 +1,114 @@
+"""Transparent huge pages under the arrays a decode step streams (Linux, CPU).
+
+Every token reads the target's weights and its KV caches.  With 4 KB pages that
+stream misses the TLB every 4 KB and the hardware prefetchers stop at each page
+edge; on a virtual machine each miss is a two-level page walk.  `back` asks the
+kernel to map the memory under some arrays with 2 MB pages (MADV_HUGEPAGE, then
+MADV_COLLAPSE to do it now).  The addresses and the bits stay as they were; only
+the page tables change.  Elsewhere (macOS, THP off, an older kernel) it does nothing.
+
+SPEL_HUGE_PAGES=0 switches it off.  Measured in docs/model.md ("Huge pages").
+"""
+from __future__ import annotations
+
+import ctypes
+import os
+import sys
+
+import mlx.core as mx
+import numpy as np
+
+HUGE = 2 << 20
+MADV_HUGEPAGE = 14
+MADV_COLLAPSE = 25
+THP_MODE = "/sys/kernel/mm/transparent_hugepage/enabled"
+
+_madvise = None
+
+
+def _setting() -> bool:
+    raw = os.environ.get("SPEL_HUGE_PAGES", "1").strip().lower() or "1"
+    if raw not in ("0", "1", "off", "on"):
+        raise ValueError(f"SPEL_HUGE_PAGES={raw!r}: expected 0 or 1")
+    return raw in ("1", "on")
+
+
+def thp_mode() -> str | None:
+    """The kernel's THP mode ("always", "madvise", "never"), None where there is none."""
+    try:
+        with open(THP_MODE) as f:
+            text = f.read()
+    except OSError:
+        return None
+    start, end = text.find("["), text.find("]")
+    return text[start + 1:end] if 0 <= start < end else None
+
+
+def state() -> str:
+    """What `back` does here: "on", or "off (why)"."""
+    if not sys.platform.startswith("linux"):
+        return "off (not Linux)"
+    if not _setting():
+        return "off (SPEL_HUGE_PAGES=0)"
+    mode = thp_mode()
+    if mode in (None, "never"):
+        return f"off (transparent huge pages {'absent' if mode is None else 'never'} in this kernel)"
+    return "on"
+
+
+def _libc_madvise():
+    global _madvise
+    if _madvise is None:
+        fn = ctypes.CDLL(None, use_errno=True).madvise
+        fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+        fn.restype = ctypes.c_int
+        _madvise = fn
+    return _madvise
+
+
+def _writable_regions():
+    """(start, end) of the private anonymous mappings (the heap included): where
+    malloc puts MLX's CPU buffers."""
+    regions = []
+    with open("/proc/self/maps") as f:
+        for line in f:
+            fields = line.split()
+            if fields[1] != "rw-p" or (len(fields) > 5 and fields[5] != "[heap]"):
+                continue
+            lo, hi = (int(x, 16) for x in fields[0].split("-"))
+            regions.append((lo, hi))
+    return regions
+
+
+def _extent(a):
+    """(address, bytes) of an evaluated, row-contiguous CPU array, else None."""
+    try:
+        view = np.frombuffer(memoryview(a), dtype=np.uint8)
+    except (TypeError, ValueError, BufferError):
+        return None
+    return view.ctypes.data, view.nbytes
+
+
+def back(arrays) -> int:
+    """Map the memory under `arrays` (evaluated CPU arrays) with 2 MB pages where the
+    kernel can: per mapping, the whole 2 MB pages between the first and the last of
+    them.  Returns the bytes now mapped that way (0 where `state()` is off)."""
+    if state() != "on" or mx.default_device() != mx.cpu:
+        return 0
+    extents = [e for e in (_extent(a) for a in arrays if a.nbytes) if e is not None]
+    if not extents:
+        return 0
+    madvise, done = _libc_madvise(), 0
+    for lo, hi in _writable_regions():
+        inside = [(p, n) for p, n in extents if lo <= p < hi]
+        if not inside:
+            continue
+        start = max(min(p for p, _ in inside) // HUGE * HUGE, -(-lo // HUGE) * HUGE)
+        end = min(-(-max(p + n for p, n in inside) // HUGE) * HUGE, hi // HUGE * HUGE)
+        if end <= start:
+            continue
+        madvise(start, end - start, MADV_HUGEPAGE)
+        for page in range(start, end, HUGE):   # one by one: a page that cannot (shared, pinned) stops none other
+            if madvise(page, HUGE, MADV_COLLAPSE) == 0:
+                done += HUGE
+    return done

@@ -1,0 +1,75 @@
+"""spel_mlx.huge_pages: the memory under the arrays a step streams is mapped with 2 MB
+pages where the kernel can, without changing an address or a bit."""
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import spel_mlx  # noqa: F401
+import mlx.core as mx
+from spel_mlx import huge_pages
+
+
+def huge_kb_at(address: int) -> int:
+    """AnonHugePages (kB) of the mapping that holds `address`."""
+    inside = False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            fields = line.split()
+            if "-" in fields[0] and not fields[0].endswith(":"):
+                lo, hi = (int(x, 16) for x in fields[0].split("-"))
+                inside = lo <= address < hi
+            elif inside and fields[0] == "AnonHugePages:":
+                return int(fields[1])
+    raise AssertionError(f"no mapping holds {address:#x}")
+
+
+def test_switch_and_bad_value(monkeypatch):
+    monkeypatch.setenv("SPEL_HUGE_PAGES", "sometimes")
+    with pytest.raises(ValueError, match="SPEL_HUGE_PAGES='sometimes'"):
+        huge_pages.state()
+    monkeypatch.setenv("SPEL_HUGE_PAGES", "0")
+    assert huge_pages.state() == "off (SPEL_HUGE_PAGES=0)"
+    assert huge_pages.back([mx.zeros((1 << 20,))]) == 0
+
+
+def test_back_maps_an_array_with_huge_pages_and_keeps_it(monkeypatch):
+    monkeypatch.delenv("SPEL_HUGE_PAGES", raising=False)
+    if huge_pages.state() != "on":
+        pytest.skip(huge_pages.state())
+    values = np.random.default_rng(0).standard_normal(3 << 20).astype(np.float32)   # 12 MB
+    a = mx.array(values)
+    mx.eval(a)
+    address = np.frombuffer(memoryview(a), dtype=np.uint8).ctypes.data
+    assert huge_pages.back([a]) >= 8 << 20       # at least the whole 2 MB pages inside it
+    assert huge_kb_at(address + (6 << 20)) >= 8 << 10
+    assert np.frombuffer(memoryview(a), dtype=np.uint8).ctypes.data == address
+    assert np.array_equal(np.array(a), values)
+
+
+PROBE = r"""
+import json, spel_mlx
+from spel_mlx.api import load, generate
+m, tok = load()
+prompt = "And God said unto Moses, I AM THAT I AM: and he said, Thus shalt thou say. " * 30
+text = generate(m, tok, prompt, 24, temperature=0)
+huge = [int(l.split()[1]) for l in open("/proc/self/smaps_rollup") if l.startswith("AnonHugePages")]
+print(json.dumps({"text": text, "huge_kb": huge[0]}))
+"""
+
+
+def test_decoding_maps_weights_and_caches_with_huge_pages():
+    """A decode backs the target's weight layouts and KV caches (tens of MB) with huge
+    pages, and gives the same text as with SPEL_HUGE_PAGES=0."""
+    if huge_pages.state() != "on":
+        pytest.skip(huge_pages.state())
+    runs = {}
+    for value in ("0", "1"):
+        env = {"SPEL_HUGE_PAGES": value, "PATH": "/usr/bin:/bin"}
+        out = subprocess.run([sys.executable, "-c", PROBE], capture_output=True, text=True, env=env, timeout=300)
+        assert out.returncode == 0, out.stderr[-2000:]
+        runs[value] = json.loads(out.stdout.strip().splitlines()[-1])
+    assert runs["0"]["text"] == runs["1"]["text"] and len(runs["1"]["text"]) > 20
+    assert runs["1"]["huge_kb"] - runs["0"]["huge_kb"] >= 16 << 10
