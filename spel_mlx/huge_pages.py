@@ -99,12 +99,12 @@ def back(arrays) -> int:
     if not extents:
         return 0
     madvise, done = _libc_madvise(), 0
-    for lo, hi in _writable_regions():
-        inside = [(p, n) for p, n in extents if lo <= p < hi]
-        if not inside:
+    for lo, hi in _writable_regions():   # an array may span several (madvise splits them)
+        parts = [(max(p, lo), min(p + n, hi)) for p, n in extents if p < hi and p + n > lo]
+        if not parts:
             continue
-        start = max(min(p for p, _ in inside) // HUGE * HUGE, -(-lo // HUGE) * HUGE)
-        end = min(-(-max(p + n for p, n in inside) // HUGE) * HUGE, hi // HUGE * HUGE)
+        start = max(min(a for a, _ in parts) // HUGE * HUGE, -(-lo // HUGE) * HUGE)
+        end = min(-(-max(b for _, b in parts) // HUGE) * HUGE, hi // HUGE * HUGE)
         if end <= start:
             continue
         madvise(start, end - start, MADV_HUGEPAGE)
