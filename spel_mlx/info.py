@@ -1,8 +1,9 @@
 """``python -m spel_mlx.info [--preset P] [--config k=v,...]``
 
 Prints which BLAS MLX resolved, the MLX version and device, its GPU (Metal, CUDA or
-none, with why), the sequence-kernel path, whether huge pages back the weights, the effective configuration and its
-parameter counts / FP32 sizes.  A bad configuration is a one-line error, exit 2.
+none, with why), the sequence-kernel path, whether huge pages back the weights, the
+effective configuration and its parameter counts / FP32 sizes.  A bad configuration is
+a one-line error, exit 2.
 """
 from __future__ import annotations
 
