@@ -24,6 +24,7 @@ MADV_COLLAPSE = 25
 THP_MODE = "/sys/kernel/mm/transparent_hugepage/enabled"
 
 _madvise = None
+_collapse = None   # whether MADV_COLLAPSE exists (asked once)
 
 
 def _setting() -> bool:
@@ -53,7 +54,18 @@ def state() -> str:
     mode = thp_mode()
     if mode in (None, "never"):
         return f"off (transparent huge pages {'absent' if mode is None else 'never'} in this kernel)"
+    if not _has_collapse():
+        return "off (the kernel has no MADV_COLLAPSE: Linux 6.1 or later)"
     return "on"
+
+
+def _has_collapse() -> bool:
+    """Whether the kernel knows MADV_COLLAPSE: it checks the advice before the length,
+    so an empty range answers without touching memory."""
+    global _collapse
+    if _collapse is None:
+        _collapse = _libc_madvise()(HUGE, 0, MADV_COLLAPSE) == 0
+    return _collapse
 
 
 def _libc_madvise():

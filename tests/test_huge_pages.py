@@ -33,6 +33,13 @@ def test_switch_and_bad_value(monkeypatch):
     monkeypatch.setenv("SPEL_HUGE_PAGES", "0")
     assert huge_pages.state() == "off (SPEL_HUGE_PAGES=0)"
     assert huge_pages.back([mx.zeros((1 << 20,))]) == 0
+    monkeypatch.delenv("SPEL_HUGE_PAGES")
+    if sys.platform.startswith("linux") and huge_pages.thp_mode() in ("always", "madvise"):
+        # an invalid advice is refused (the probe would see it), a kernel without collapse is "off"
+        assert huge_pages._libc_madvise()(huge_pages.HUGE, 0, 999) == -1
+        monkeypatch.setattr(huge_pages, "_collapse", False)
+        assert huge_pages.state() == "off (the kernel has no MADV_COLLAPSE: Linux 6.1 or later)"
+        assert huge_pages.back([mx.zeros((1 << 20,))]) == 0
 
 
 def test_back_maps_an_array_with_huge_pages_and_keeps_it(monkeypatch):
