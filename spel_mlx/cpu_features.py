@@ -23,8 +23,13 @@ def simd_cap() -> str:
     return level
 
 
-def attention_helper() -> bool:
-    raw = os.environ.get("SPEL_ATTENTION_HELPER", "1").strip().lower() or "1"
+def env_switch(name: str) -> bool:
+    """An on/off environment variable, on by default: 1/on or 0/off, else a ValueError."""
+    raw = os.environ.get(name, "1").strip().lower() or "1"
     if raw not in ("0", "1", "off", "on"):
-        raise ValueError(f"SPEL_ATTENTION_HELPER={raw!r}: expected 0 or 1")
+        raise ValueError(f"{name}={raw!r}: expected 0 or 1")
     return raw in ("1", "on")
+
+
+def attention_helper() -> bool:
+    return env_switch("SPEL_ATTENTION_HELPER")

@@ -12,11 +12,13 @@ SPEL_HUGE_PAGES=0 switches it off.  Measured in docs/model.md ("Huge pages").
 from __future__ import annotations
 
 import ctypes
-import os
+import functools
 import sys
 
 import mlx.core as mx
 import numpy as np
+
+from .cpu_features import env_switch
 
 HUGE = 2 << 20
 MADV_HUGEPAGE = 14
@@ -27,15 +29,10 @@ _madvise = None
 _collapse = None   # whether MADV_COLLAPSE exists (asked once)
 
 
-def _setting() -> bool:
-    raw = os.environ.get("SPEL_HUGE_PAGES", "1").strip().lower() or "1"
-    if raw not in ("0", "1", "off", "on"):
-        raise ValueError(f"SPEL_HUGE_PAGES={raw!r}: expected 0 or 1")
-    return raw in ("1", "on")
-
-
+@functools.lru_cache(maxsize=None)
 def thp_mode() -> str | None:
-    """The kernel's THP mode ("always", "madvise", "never"), None where there is none."""
+    """The kernel's THP mode ("always", "madvise", "never"), None where there is none
+    (read once: every pass and cache growth asks)."""
     try:
         with open(THP_MODE) as f:
             text = f.read()
@@ -49,7 +46,7 @@ def state() -> str:
     """What `back` does here: "on", or "off (why)"."""
     if not sys.platform.startswith("linux"):
         return "off (not Linux)"
-    if not _setting():
+    if not env_switch("SPEL_HUGE_PAGES"):
         return "off (SPEL_HUGE_PAGES=0)"
     mode = thp_mode()
     if mode in (None, "never"):
