@@ -11,7 +11,8 @@ def test_copies_continuation_of_latest_match():
     idx.extend([1, 2, 3, 4, 9, 1, 2, 3, 5, 7, 1, 2, 3])
     # suffix [1,2,3] last occurred at 5..7 followed by 5, 7, 1
     assert idx.lookup(3) == [5, 7, 1]
-    assert idx.lookup(10) == [5, 7, 1, 2, 3]
+    # the match is 5 tokens back: past them the text goes on with period 5
+    assert idx.lookup(10) == [5, 7, 1, 2, 3, 5, 7, 1, 2, 3]
 
 
 def test_longest_suffix_wins():
@@ -29,7 +30,7 @@ def test_no_match_and_never_self_match():
     idx.extend([5, 5])
     assert idx.lookup(2) == []    # the suffix itself is not an earlier occurrence
     idx.append(5)
-    assert idx.lookup(2) == [5]
+    assert idx.lookup(2) == [5, 5]     # [5, 5] one back: period 1
 
 
 @pytest.mark.parametrize("seed", range(6))
@@ -47,3 +48,70 @@ def test_incremental_index_equals_scan(seed):
 def test_bad_sizes():
     with pytest.raises(ValueError):
         NgramIndex(3, 2)
+
+
+def _rounds(proposer, text, start, rounds, k_cap=15):
+    """Run `rounds` verify rounds of `proposer` against the true continuation `text`
+    (greedy: the target's token is text's own); returns each round's proposal length."""
+    from spel_mlx.decoding.sampling import GREEDY
+    lengths, L = [], start
+    for _ in range(rounds):
+        history, pending = text[:L], text[L]
+        toks, _ = proposer.propose(history, pending, k_cap, GREEDY, 0)
+        n = 0
+        while n < len(toks) and toks[n] == text[L + 1 + n]:
+            n += 1
+        if toks:
+            proposer.commit(n + 1)
+        lengths.append(len(toks))
+        L += n + 1
+    return lengths
+
+
+def test_ngram_length_grows_while_accepted_and_shrinks_on_rejection():
+    from spel_mlx.decoding.ngram import NgramProposer
+    from spel_mlx.decoding.sampling import GREEDY
+    text = [10, 11, 12, 13, 14, 15, 16] * 40
+    p = NgramProposer(20, k=4, max_k=15)
+    # every proposal of a cycle is right: K, then 2 more a round, up to max_k (a period
+    # of 7 continued past the copy)
+    assert _rounds(p, text, 16, 8) == [4, 6, 8, 10, 12, 14, 15, 15]
+    # rejections: one shorter a round, never below K
+    lengths = []
+    for _ in range(14):
+        lengths.append(len(p.propose(text[:100], text[100], 15, GREEDY, 0)[0]))
+        p.commit(1)           # nothing accepted
+    assert lengths == [15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 4, 4]
+    # a round with a partial acceptance shrinks it too; one with every token grows it
+    p.propose(text[:100], text[100], 15, GREEDY, 0)
+    p.commit(3)
+    assert p.length == 4
+    p.propose(text[:100], text[100], 15, GREEDY, 0)
+    p.commit(5)
+    assert p.length == 6
+    # the loop's cap wins (the end of a request): 3 asked, 3 proposed, all accepted
+    assert len(p.propose(text[:100], text[100], 3, GREEDY, 0)[0]) == 3
+    p.commit(4)
+    assert p.length == 8
+    # a round without a match proposes nothing (the loop then commits nothing to it)
+    # and keeps the length
+    text2 = [10, 11, 12, 13, 14, 15, 16] * 4 + list(range(30, 60))
+    p.reset()
+    assert _rounds(p, text2, 16, 1) == [4] and p.length == 6
+    assert p.propose(text2[:45], text2[45], 15, GREEDY, 0)[0] == []
+    assert p.length == 6
+
+
+def test_ngram_fixed_length_control():
+    from spel_mlx.decoding.ngram import NgramProposer
+    text = [10, 11, 12, 13, 14, 15, 16] * 40
+    for p in (NgramProposer(20, k=4, max_k=None), NgramProposer(20, k=4, max_k=4), NgramProposer(20, k=16)):
+        assert p.max_k is None
+        assert set(_rounds(p, text, 16, 6, k_cap=p.k)) == {p.k}
+
+
+def test_ngram_bad_lengths():
+    from spel_mlx.decoding.ngram import NgramProposer
+    for kw in ({"k": 0}, {"k": 2.5}, {"max_k": 0}, {"max_k": "8"}):
+        with pytest.raises(ValueError):
+            NgramProposer(20, **kw)

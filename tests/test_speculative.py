@@ -262,6 +262,26 @@ def test_ngram_and_auto_on_repetitive_text():
     dec = SpeculativeDecoder(model, auto, "spec", k=4)
     assert dec.generate(prompt, 80) == ref
     assert auto.used_ngram > 0 and auto.used_model > 0
+    assert dec.stats.extra["ngram_longest"] > 4      # its n-gram rounds grow too (the model's stay at K)
+
+
+def test_ngram_proposals_grow_past_k_in_the_loop():
+    model = ToyModel(draft_noise=0.5, seed=4)
+    prompt = [1, 2, 3]
+    for n_tokens in (80, 37):
+        ref = toy_ar(model, prompt, n_tokens)
+        grow = SpeculativeDecoder(model, NgramProposer(12, k=4), "spec", k=4)
+        assert grow.generate(prompt, n_tokens) == ref      # exactly n_tokens, the AR tokens
+        assert 4 < grow.stats.extra["ngram_longest"] <= 15
+        assert grow.target.ring >= 16
+        fixed = SpeculativeDecoder(model, NgramProposer(12, k=4, max_k=None), "spec", k=4)
+        assert fixed.generate(prompt, n_tokens) == ref
+        assert fixed.stats.extra["ngram_longest"] == 4
+        assert grow.stats.rounds < fixed.stats.rounds
+    # forced rounds keep K (their ratio is exact)
+    forced = SpeculativeDecoder(model, NgramProposer(12, k=4), "forced", k=4, forced_alpha=1.0)
+    forced.generate(prompt, 40)
+    assert forced.stats.extra["ngram_longest"] <= 4
 
 
 def test_auto_gates_a_useless_model_draft():
@@ -443,7 +463,7 @@ def test_real_oracle_strict_accepts_all(tiny, K):
 
 def test_real_fast_mode_token_equivalent(tiny):
     for prompt, ref in zip(tiny.prompts, tiny.ref[False]):
-        for K, kinds in ((4, ("mlx", "auto")), (16, ("mlx", "ngram"))):
+        for K, kinds in ((4, ("mlx", "auto", "ngram")), (16, ("mlx", "ngram"))):
             for kind in kinds:
                 draft = make_proposer(kind, tiny.model, k=K, auto_fallback="mlx")
                 mode = "governed" if kind == "auto" else "spec"

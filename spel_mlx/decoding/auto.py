@@ -13,7 +13,8 @@ class AutoProposer(Proposer):
     acceptance falls below the threshold, rounds without an n-gram match run as
     AR rounds instead of paying a verify batch for proposals that are rejected,
     and the fallback is re-probed after `gate.resume_after` such rounds.
-    n-gram proposals are never gated (a miss costs nothing to propose)."""
+    n-gram proposals are never gated (a miss costs nothing to propose), and set their
+    own length (``NgramProposer``: up to its max_k); the fallback proposes at most K."""
 
     name = "auto"
 
@@ -30,6 +31,10 @@ class AutoProposer(Proposer):
         self.used_model = 0
         self.gated = 0
         self.gate = Governor(self.gate_cfg)
+
+    @property
+    def max_k(self):
+        return self.ngram.max_k
 
     @property
     def forwards(self):
@@ -54,7 +59,7 @@ class AutoProposer(Proposer):
         toks, qs = self.ngram.propose(history, pending, k, params, seed)
         if toks:
             self.used_ngram += 1
-            self._pending_commit = None
+            self._pending_commit = self.ngram
             return toks, qs
         if not self.gate.drafting:
             self.gated += 1
@@ -63,7 +68,7 @@ class AutoProposer(Proposer):
             return [], None
         self.used_model += 1
         self._pending_commit = self.fallback
-        toks, qs = self.fallback.propose(history, pending, k, params, seed)
+        toks, qs = self.fallback.propose(history, pending, min(k, self.ngram.k), params, seed)
         self._proposed = len(toks)
         return toks, qs
 
@@ -71,7 +76,9 @@ class AutoProposer(Proposer):
         return self._pending_commit.guess() if self._pending_commit is not None else None
 
     def commit(self, n: int):
-        if self._pending_commit is not None:
+        if self._pending_commit is self.ngram:
+            self.ngram.commit(n)
+        elif self._pending_commit is not None:
             self._pending_commit.commit(n)
             self.gate.record(n - 1, self._proposed)
         self._pending_commit = None

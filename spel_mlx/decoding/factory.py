@@ -40,7 +40,7 @@ def make_proposer(kind: str, model, weights=None, k: int = 4, threads: int | Non
     if kind == "target":
         return MLXProposer(model, "target", ring=ring, strict=strict)
     if kind == "ngram":
-        return NgramProposer(model.cfg.vocab, *ngram_n)
+        return NgramProposer(model.cfg.vocab, *ngram_n, k=k)
     if kind == "c":
         from ..native.cdraft import CDraft     # CDraft(...) raises ImportError when it is not built
         if weights is None:
@@ -53,5 +53,5 @@ def make_proposer(kind: str, model, weights=None, k: int = 4, threads: int | Non
     if kind == "auto":
         fallback = make_proposer(auto_fallback, model, weights, k, threads, strict, ngram_n, ahead=ahead,
                                  draft_context=draft_context)
-        return AutoProposer(NgramProposer(model.cfg.vocab, *ngram_n), fallback)
+        return AutoProposer(NgramProposer(model.cfg.vocab, *ngram_n, k=k), fallback)
     raise DecodeError(f"draft {kind!r}: expected one of {', '.join(PROPOSER_KINDS)}")

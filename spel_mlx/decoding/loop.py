@@ -95,7 +95,8 @@ class SpeculativeDecoder:
         self.forced_alpha = forced_alpha
         # runner(ring, strict): the target side when it is not `model` in this process
         # (a pipeline across processes, spel_mlx.distributed); TargetRunner's interface
-        self.target = TargetRunner(model, ring=k + 1, strict=strict) if runner is None else runner(k + 1, strict)
+        ring = max(k, self._longest(self.proposer)) + 1
+        self.target = TargetRunner(model, ring=ring, strict=strict) if runner is None else runner(ring, strict)
         self.stats = DecodeStats()
         self.output: list = []
         self._forced_carry = 0.0
@@ -194,12 +195,20 @@ class SpeculativeDecoder:
         return out
 
     # -- the steps of a round ------------------------------------------------
+    def _longest(self, proposer) -> int:
+        """The most proposals a round may ask for: K, or more where the proposer sets
+        its own length (the n-gram draft); forced rounds keep K so their ratio is exact."""
+        if proposer is None or self.mode == "forced" or not proposer.max_k:
+            return self.k
+        return max(self.k, proposer.max_k)
+
     def _round_k(self, pos: int, remaining: int) -> int:
-        """Proposals this round: K, fewer near max_seq or the end of the request."""
+        """Proposals this round: at most `_longest`, fewer near max_seq or the end of
+        the request."""
         if self.proposer is None:
             return 0
-        k = min(self.k, self.cfg.max_seq - 1 - pos)
-        if self.mode != "forced":  # forced keeps K fixed so its ratio is exact
+        k = min(self._longest(self.proposer), self.cfg.max_seq - 1 - pos)
+        if self.mode != "forced":
             k = min(k, remaining - 1)
         return k
 

@@ -32,6 +32,7 @@ class Proposer:
     forwards = 0      # draft token-forwards run (for the cost figure c)
     threads = None    # C draft worker threads, where there is one
     governor_memory = None   # what the last call's governor left the next (governor.GovernorMemory)
+    max_k = None      # a proposer that sets its own length: the most proposals in a round (None: K)
 
     def reset(self):
         pass
