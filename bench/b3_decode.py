@@ -135,7 +135,7 @@ def draft_placements(threads: list, drafts=("c", "mlx")) -> list:
     out = [("draft=c-cpu", "c", t, "cpu" if "c" in drafts else None,
             "" if "c" in drafts else "not in this level's protocol") for t in threads]
     # the C draft drafting the next round on the other core during verification
-    # (CDraftAheadProposer, generate's default for greedy decoding with 1 draft thread)
+    # (CDraftAheadProposer: generate's draft when sampling, the fallback of its greedy default auto)
     out.append(("draft=c-cpu ahead", "c-ahead", 1, "cpu" if "c" in drafts else None,
                 "" if "c" in drafts else "not in this level's protocol"))
     out.append(("draft=mlx-cpu", "mlx", None, "cpu" if "mlx" in drafts else None,

@@ -1,5 +1,6 @@
 """Decoding of the shipped model on held-out texts: greedy ar / raw spec / spec's default
-(cost governor, drafting ahead while it pays) / governed / n-gram / auto, with alpha and
+(auto: n-gram, else the C draft drafting ahead while it pays; cost governor) / the C draft
+alone / governed / n-gram / auto, with alpha and
 tokens per round, beside mlx-lm's greedy decoding of a same-shape Llama (random weights)
 in the same process; and sampled rows (the ``generate`` defaults: T 0.7, top-p 0.95,
 penalty 1.1) for both lossless rules.
@@ -50,8 +51,9 @@ GREEDY_MODES = [  # (label, mode, draft kind, threads, governor, drafting ahead)
     ("spec raw, C draft 1 thread", "spec", "c", 1, RAW, False),
     ("spec raw, C draft 1 thread, drafting ahead", "spec", "c", 1, RAW, True),
     ("spec raw, C draft 2 threads", "spec", "c", 2, RAW, False),
-    ("spec (the default: cost governor, drafting ahead while it pays), C draft 1 thread",
-     "spec", "c", 1, None, "auto"),
+    ("spec (the default: auto = n-gram, else C drafting ahead while it pays; cost governor)",
+     "spec", "auto", 1, None, "auto"),
+    ("spec, C draft 1 thread (cost governor, drafting ahead while it pays)", "spec", "c", 1, None, "auto"),
     ("governed, C draft 1 thread, drafting ahead", "governed", "c", 1, None, True),
     ("governed (grace 2), C draft 1 thread, drafting ahead", "governed", "c", 1,
      sp.GovernorConfig(zero_accept_grace=2), True),
@@ -66,6 +68,8 @@ SAMPLED_MODES = [  # (label, mode, draft kind, threads, params, drafting ahead)
     ("spec sampled coupled, C draft", "spec", "c", 1, COUPLED, False),
     ("spec sampled residual, C draft, drafting ahead", "spec", "c", 1, RESIDUAL, True),
     ("spec sampled residual, C draft", "spec", "c", 1, RESIDUAL, False),
+    ("spec sampled residual, auto (n-gram, else C drafting ahead while it pays)", "spec", "auto", 1,
+     RESIDUAL, "auto"),
 ]
 
 

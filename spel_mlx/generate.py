@@ -52,7 +52,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--spec-k", type=int, default=None,
                     help="draft proposals per round, 1..16 (default SPEL_SPEC_K or 4)")
     ap.add_argument("--draft", default=None, choices=("c", "mlx", "ngram", "auto", "target"),
-                    help="draft engine (default c: the ternary C draft; mlx when it is not built)")
+                    help="draft engine (default: with --temperature 0 auto, n-gram lookup where the "
+                         "text repeats and else the C draft; when sampling c, the ternary C draft; mlx "
+                         "where the C draft is not built)")
     ap.add_argument("--draft-threads", type=int, default=None,
                     help="C draft worker threads 1..6 (default SPEL_DRAFT_THREADS or 1)")
     ap.add_argument("--draft-ahead", choices=("auto", "on", "off"), default="auto",

@@ -182,3 +182,14 @@ def test_one_generation_at_a_time(shipped):
     for t in threads:
         t.join()
     assert got == want
+
+
+def test_default_draft_rule():
+    from spel_mlx.api.engine import default_draft
+    from spel_mlx.decoding.sampling import GREEDY, SamplingParams
+    from spel_mlx.native import clib
+    model_draft = "c" if clib.available() else "mlx"
+    assert default_draft("spec", GREEDY) == "auto"
+    assert default_draft("spec", SamplingParams(repetition_penalty=1.1)) == model_draft   # greedy with a penalty
+    assert default_draft("spec", SamplingParams(temperature=0.7)) == model_draft
+    assert default_draft("governed", GREEDY) == model_draft

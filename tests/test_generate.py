@@ -15,7 +15,8 @@ import time
 
 import pytest
 
-import spel_mlx  # noqa: F401
+import spel_mlx
+from spel_mlx.native import clib  # noqa: F401
 gen = importlib.import_module("spel_mlx.generate")   # the command module (spel_mlx.generate is the API function)
 
 TINY = "d_model=32,n_layers=4,n_heads=2,head_dim=16,d_ff=64,vocab=128,max_seq=96,draft_map=0:3"
@@ -70,14 +71,19 @@ def test_greedy_modes_agree_end_to_end(ckpt):
             assert key in st
 
 
-def test_c_draft_default_when_built(ckpt):
+def test_default_draft_by_sampling(ckpt):
+    """Greedy spec: n-gram, else the C draft (auto); sampled: the C draft."""
     code, out, err = run("--checkpoint", ckpt, "--max-tokens", 12, "--temperature", 0, "--stats",
                          "--draft-threads", 2)
     assert code == 0, err
     st = stats_of(err)
-    assert st["draft"] in ("c", "mlx") and st["tokens"] == 12
-    if st["draft"] == "c":
-        assert st["draft_threads"] == 2
+    assert st["draft"] == "auto" and st["tokens"] == 12
+    if clib.available():
+        assert st["draft_threads"] == 2      # its fallback, the C draft
+    code, out, err = run("--checkpoint", ckpt, "--max-tokens", 12, "--seed", 1, "--stats")
+    assert code == 0, err
+    st = stats_of(err)
+    assert st["draft"] == ("c" if clib.available() else "mlx") and st["tokens"] == 12
 
 
 def test_sampling_seeded_reproducible(ckpt):

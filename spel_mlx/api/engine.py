@@ -76,6 +76,17 @@ def check(settings: DecodeSettings, cfg) -> None:
         raise DecodeError(f"forced_alpha={settings.forced_alpha!r}: mode forced needs one in [0, 1]")
 
 
+def default_draft(mode: str, params) -> str:
+    """The draft when none is asked for: for plain greedy `spec`, n-gram proposals where
+    the text repeats and the C draft elsewhere (``auto``: greedy text loops, and a copied
+    repeat is verified 15 tokens at a time); otherwise the C draft (sampled text repeats
+    less: there ``auto`` measured slower).  The MLX draft where the C one is not built.
+    docs/decoding.md, "The default draft"."""
+    model_draft = "c" if clib.available() else "mlx"
+    plain_greedy = params is not None and params.greedy and not params.uses_penalty
+    return "auto" if mode == "spec" and plain_greedy else model_draft
+
+
 def _proposer(loaded, settings: DecodeSettings, k: int, params):
     """The proposer for these settings: built once per setting, then reused (the
     engine resets it at the start of every call)."""
@@ -87,7 +98,7 @@ def _proposer(loaded, settings: DecodeSettings, k: int, params):
     if settings.mode == "oracle":
         kind = "target"
     if kind is None:
-        kind = "c" if clib.available() else "mlx"
+        kind = default_draft(settings.mode, params)
     threads = settings.draft_threads or default_draft_threads()
     if settings.draft_ahead == "auto":    # while it pays (decoding.ahead); 2+ CPUs, 1 draft thread
         ahead = "auto" if usable_cpus() >= 2 and threads == 1 else False

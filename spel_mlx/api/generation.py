@@ -183,7 +183,8 @@ def stream_generate(model, tokenizer, prompt, max_tokens: int = DEFAULT_MAX_TOKE
     temperature 0), seed (same seed, same text), accept ("coupled" or "residual": the
     lossless rule of sampled speculation), stop (strings that end the output,
     not included).  Decoding: mode ("spec", "ar", "governed"), draft ("c", "mlx",
-    "ngram", "auto"; default the C draft when built), k (proposals per round),
+    "ngram", "auto"; default "auto" for greedy spec, else the C draft when built), k
+    (proposals per round),
     governor (a GovernorConfig), strict, draft_threads, draft_ahead ("auto", "on",
     "off"), draft_context (the most tokens of a long prompt the C draft reads; 0: all).
     Arguments are checked now; decoding starts at the first `next`."""

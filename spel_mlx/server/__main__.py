@@ -27,7 +27,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="requests that may wait behind the running one; more get 429 (default 8)")
     ap.add_argument("--mode", choices=("spec", "ar", "governed"), default="spec", help="default decoding mode")
     ap.add_argument("--draft", choices=("c", "mlx", "ngram", "auto"), default=None,
-                    help="default draft (default: c when built, else mlx)")
+                    help="default draft (default: auto for greedy requests, c when sampling; mlx where "
+                         "the C draft is not built)")
     ap.add_argument("--spec-k", type=int, default=None, help="default proposals per round, 1..16")
     ap.add_argument("--draft-threads", type=int, default=None, help="C draft worker threads 1..6")
     ap.add_argument("--no-warmup", action="store_true", help="skip the short warm-up generation at start")
