@@ -321,7 +321,9 @@ def _b2ctx_regime(g, rows) -> list:
             parts += ["", f"- ngram (K={r['K']}) on a repetitive document: " + (
                 f"{int(metric(r, 'context'))} tokens, {_cell(r, 'tok_s')} tok/s vs AR {_cell(r, 'ar_tok_s')} "
                 f"({_cell(r, 'speedup')}×), alpha {_cell(r, 'alpha')}, {_cell(r, 'tokens_per_round')} "
-                f"tokens/round, v {_cell(r, 'v')}" if r["status"] == common.OK else _why(r))]
+                f"tokens/round, v {_cell(r, 'v')}"
+                + (f", longest proposal {int(metric(r, 'longest'))}" if metric(r, "longest") else "")
+                if r["status"] == common.OK else _why(r))]
     figures = context_figures(rows)
     marks = []
     for label, key, bound, op in CONTEXT_GOALS:
