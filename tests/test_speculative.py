@@ -262,19 +262,23 @@ def test_ngram_and_auto_on_repetitive_text():
     dec = SpeculativeDecoder(model, auto, "spec", k=4)
     assert dec.generate(prompt, 80) == ref
     assert auto.used_ngram > 0 and auto.used_model > 0
-    assert dec.stats.extra["ngram_longest"] > 4      # its n-gram rounds grow too (the model's stay at K)
+    # its n-gram rounds grow too (the model's stay at K: the MLX draft's ring holds 5)
+    raw = SpeculativeDecoder(model, auto, "spec", k=4, governor=GovernorConfig(policy="off"))
+    assert raw.generate(prompt, 80) == ref
+    assert raw.stats.extra["ngram_longest"] > 4
 
 
 def test_ngram_proposals_grow_past_k_in_the_loop():
     model = ToyModel(draft_noise=0.5, seed=4)
     prompt = [1, 2, 3]
+    raw = GovernorConfig(policy="off")     # every round drafts: the round counts are exact
     for n_tokens in (80, 37):
         ref = toy_ar(model, prompt, n_tokens)
-        grow = SpeculativeDecoder(model, NgramProposer(12, k=4), "spec", k=4)
+        grow = SpeculativeDecoder(model, NgramProposer(12, k=4), "spec", k=4, governor=raw)
         assert grow.generate(prompt, n_tokens) == ref      # exactly n_tokens, the AR tokens
         assert 4 < grow.stats.extra["ngram_longest"] <= 15
         assert grow.target.ring >= 16
-        fixed = SpeculativeDecoder(model, NgramProposer(12, k=4, max_k=None), "spec", k=4)
+        fixed = SpeculativeDecoder(model, NgramProposer(12, k=4, max_k=None), "spec", k=4, governor=raw)
         assert fixed.generate(prompt, n_tokens) == ref
         assert fixed.stats.extra["ngram_longest"] == 4
         assert grow.stats.rounds < fixed.stats.rounds
