@@ -15,8 +15,8 @@ import time
 
 import pytest
 
-import spel_mlx
-from spel_mlx.native import clib  # noqa: F401
+import spel_mlx  # noqa: F401
+from spel_mlx.native import clib
 gen = importlib.import_module("spel_mlx.generate")   # the command module (spel_mlx.generate is the API function)
 
 TINY = "d_model=32,n_layers=4,n_heads=2,head_dim=16,d_ff=64,vocab=128,max_seq=96,draft_map=0:3"

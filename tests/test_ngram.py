@@ -1,9 +1,11 @@
-"""n-gram (prompt-lookup) drafter: the incremental index agrees with a plain scan."""
+"""n-gram (prompt-lookup) drafter: the incremental index agrees with a plain scan; the
+proposal length grows and shrinks by its rule."""
 import numpy as np
 import pytest
 
 import spel_mlx  # noqa: F401
-from spel_mlx.decoding.ngram import NgramIndex, propose_ngram
+from spel_mlx.decoding.ngram import NgramIndex, NgramProposer, propose_ngram
+from spel_mlx.decoding.sampling import GREEDY
 
 
 def test_copies_continuation_of_latest_match():
@@ -53,7 +55,6 @@ def test_bad_sizes():
 def _rounds(proposer, text, start, rounds, k_cap=15):
     """Run `rounds` verify rounds of `proposer` against the true continuation `text`
     (greedy: the target's token is text's own); returns each round's proposal length."""
-    from spel_mlx.decoding.sampling import GREEDY
     lengths, L = [], start
     for _ in range(rounds):
         history, pending = text[:L], text[L]
@@ -69,8 +70,6 @@ def _rounds(proposer, text, start, rounds, k_cap=15):
 
 
 def test_ngram_length_grows_while_accepted_and_shrinks_on_rejection():
-    from spel_mlx.decoding.ngram import NgramProposer
-    from spel_mlx.decoding.sampling import GREEDY
     text = [10, 11, 12, 13, 14, 15, 16] * 40
     p = NgramProposer(20, k=4, max_k=15)
     # every proposal of a cycle is right: K, then 2 more a round, up to max_k (a period
@@ -103,7 +102,6 @@ def test_ngram_length_grows_while_accepted_and_shrinks_on_rejection():
 
 
 def test_ngram_fixed_length_control():
-    from spel_mlx.decoding.ngram import NgramProposer
     text = [10, 11, 12, 13, 14, 15, 16] * 40
     for p in (NgramProposer(20, k=4, max_k=None), NgramProposer(20, k=4, max_k=4), NgramProposer(20, k=16)):
         assert p.max_k is None
@@ -111,7 +109,6 @@ def test_ngram_fixed_length_control():
 
 
 def test_ngram_bad_lengths():
-    from spel_mlx.decoding.ngram import NgramProposer
     for kw in ({"k": 0}, {"k": 2.5}, {"max_k": 0}, {"max_k": "8"}):
         with pytest.raises(ValueError):
             NgramProposer(20, **kw)
