@@ -126,6 +126,56 @@ def test_decoder_leaves_the_governor_memory_on_its_proposer(monkeypatch):
     assert seen == [before] and draft.governor_memory is not before
 
 
+def test_cost_governor_ignores_the_time_of_rounds_that_built_a_pass():
+    """A round that traced a new pass shape (`timed` False) counts for its acceptance,
+    not its time: a 20-AR-token compile round does not trip a good draft (the same
+    round timed does: the control), and an untimed AR round sets no AR reference."""
+    cfg = GovernorConfig(first_rounds=1)
+    untimed = gv.CostGovernor(cfg, memory=gv.GovernorMemory(AR))
+    timed = gv.CostGovernor(cfg, memory=gv.GovernorMemory(AR))
+    for g, flag in ((untimed, False), (timed, True)):
+        g.round(4, 4, 1.5 * AR)
+        g.round(3, 4, 20.0 * AR, timed=flag)
+    assert untimed.drafting and untimed.trips == 0 and len(untimed.window) == 1
+    assert untimed._accepted == 7 and untimed._proposed == 8
+    assert not timed.drafting and timed.trips == 1
+    fresh = gv.CostGovernor(GovernorConfig(ar_first=1))
+    fresh.round(0, 0, 30.0 * AR, timed=False)
+    assert not fresh.drafting and fresh.ar_seconds is None      # still waits for a timed AR round
+    fresh.round(0, 0, AR)
+    assert fresh.drafting and fresh.ar_seconds == pytest.approx(AR)
+
+
+def test_decoder_marks_the_rounds_that_built_a_pass(monkeypatch):
+    """The loop tells the governor which rounds traced a new pass shape (the n-gram's
+    growing proposals on a fresh model): exactly those, and none once all are built."""
+    pytest.importorskip("spel_mlx.model")
+    from spel_mlx.config import ModelConfig
+    from spel_mlx.model import SpelModel, init_weights
+    cfg = ModelConfig(d_model=32, n_layers=4, n_heads=2, head_dim=16, d_ff=64, vocab=128,
+                      max_seq=96, draft_map=(0, 3), spec_k=4).validate()
+    model = SpelModel.from_weights(cfg, init_weights(cfg, seed=3))
+    built = []      # the model's passes_built after the prefill, then after every round
+
+    class Recorder(gv.Governor):
+        def round(self, accepted, proposed, seconds, timed=True):
+            self.flags.append(timed)
+            built.append(model.passes_built)
+
+    monkeypatch.setattr(loop, "make_governor", lambda *a, **k: Recorder(GovernorConfig()))
+    dec = SpeculativeDecoder(model, make_proposer("ngram", model, k=4), "spec", k=4)
+    prefill = dec.target.prefill
+    dec.target.prefill = lambda tokens: (prefill(tokens), built.append(model.passes_built))
+    prompt = [5, 6, 7, 8] * 6
+    for call in range(2):
+        built.clear()
+        Recorder.flags = []
+        dec.generate(prompt, 40)
+        changed = [b != a for a, b in zip(built, built[1:])]
+        assert Recorder.flags == [not c for c in changed]
+        assert any(changed) if call == 0 else not any(changed)
+
+
 def test_cost_governor_keeps_a_good_draft_through_bad_rounds():
     g = gv.CostGovernor(GovernorConfig(), memory=gv.GovernorMemory(AR))
     good = [(4, 4, 2.0)] * 10
@@ -220,7 +270,7 @@ class ScriptedGovernor:
     def drafting(self):
         return self.pattern[self.i % len(self.pattern)] == "d"
 
-    def round(self, accepted, proposed, seconds):
+    def round(self, accepted, proposed, seconds, timed=True):
         self.i += 1
 
     def stats(self):

@@ -6,8 +6,9 @@ the rolling acceptance falls below a threshold or a round accepts nothing
 the rolling acceptance beats the break-even acceptance of the cost model, from
 round times it measures itself, and re-probes with exponential back-off.
 
-Both see every round through ``round(accepted, proposed, seconds)`` (proposed 0:
-an AR round) and answer ``drafting`` for the next one.  Greedy output does not
+Both see every round through ``round(accepted, proposed, seconds, timed)`` (proposed 0:
+an AR round; timed False: the round built a pass shape, so its time is not the mode's)
+and answer ``drafting`` for the next one.  Greedy output does not
 depend on either: a governor only chooses which rounds verify proposals.
 """
 from __future__ import annotations
@@ -105,7 +106,7 @@ class Governor:
         self.resumes = 0
         self._ar_tokens = 0
 
-    def round(self, accepted: int, proposed: int, seconds: float):
+    def round(self, accepted: int, proposed: int, seconds: float, timed: bool = True):
         if proposed:
             self.record(accepted, proposed)
         else:
@@ -205,9 +206,12 @@ class CostGovernor:
     def ar_seconds(self):
         return robust_mean(self.ar_times) if self.ar_times else None
 
-    def round(self, accepted: int, proposed: int, seconds: float):
+    def round(self, accepted: int, proposed: int, seconds: float, timed: bool = True):
+        """`timed` False: the round's time was not the mode's own (it built a pass shape):
+        its acceptance counts, its time does not."""
         if proposed <= 0:
-            self.ar_times.append(seconds)
+            if timed:
+                self.ar_times.append(seconds)
             self._since_ar = 0
             if self.suspended:
                 self._ar_left -= 1
@@ -216,6 +220,10 @@ class CostGovernor:
                     self.resumes += 1
                     self.window.clear()
                     self._since_resume = 0
+            return
+        if not timed:
+            self._accepted += accepted
+            self._proposed += proposed
             return
         self.window.append((accepted, proposed, seconds))
         self._spec_rounds += 1

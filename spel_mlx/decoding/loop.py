@@ -149,6 +149,7 @@ class SpeculativeDecoder:
                     st.stop_reason = "max_seq"
                     break
                 t_round = time.perf_counter()
+                built = self._passes_built()
                 k = self._round_k(pos, max_tokens - len(out))
                 proposal, qs = [], None
                 if k > 0 and (gov is None or gov.drafting):
@@ -162,7 +163,10 @@ class SpeculativeDecoder:
                 self._commit(n, len(proposal))
                 history.extend(([pending] + proposal)[:n + 1])
                 if gov is not None:
-                    gov.round(n, len(proposal), time.perf_counter() - t_round)
+                    # a round that built a pass shape (a longer n-gram proposal, a new
+                    # attention window) paid for tracing it: its time says nothing of the mode
+                    gov.round(n, len(proposal), time.perf_counter() - t_round,
+                              timed=self._passes_built() == built)
                 emitted, stop = self._emitted(proposal[:n] + [correction], stop_set, max_tokens - len(out))
                 out.extend(emitted)
                 st.tokens = len(out)
@@ -195,6 +199,10 @@ class SpeculativeDecoder:
         return out
 
     # -- the steps of a round ------------------------------------------------
+    def _passes_built(self) -> int:
+        """The model's pass shapes built so far (0 where the target runs elsewhere)."""
+        return getattr(self.target, "passes_built", 0)
+
     def _longest(self, proposer) -> int:
         """The most proposals a round may ask for: K, or more where the proposer sets
         its own length (the n-gram draft); forced rounds keep K so their ratio is exact."""

@@ -58,6 +58,11 @@ class TargetRunner:
             return mx.argmax(logits, axis=-1).tolist(), None
         return None, np.array(logits)
 
+    @property
+    def passes_built(self) -> int:
+        """Pass shapes built so far (each is traced on first use, milliseconds)."""
+        return getattr(self.model, "passes_built", 0)
+
     def commit(self, n: int):
         self.state.commit(n)
         self.pos += n

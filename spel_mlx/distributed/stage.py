@@ -64,6 +64,7 @@ class StageModel(nn.Module):
         object.__setattr__(self, "_ops", None)
         object.__setattr__(self, "compile", True)
         object.__setattr__(self, "_compiled", {})     # (stack, M, window, device) -> pass
+        object.__setattr__(self, "passes_built", 0)   # as SpelModel's (passes.run_pass counts)
 
     def load_stage_weights(self, tensors: CheckpointTensors) -> None:
         """Copy this stage's tensors in (layer i of the file is this stage's i - start),

@@ -112,6 +112,7 @@ def run_pass(model, toks, state):
     fn = model._compiled.get(key)
     if fn is None:
         fn = model._compiled[key] = make_pass(model, state.stack, M, win)
+        model.passes_built += 1
     gdn_in, kv_in = [], []
     for li in state.gdn_layers:
         gdn_in.extend(state.current_gdn(li))

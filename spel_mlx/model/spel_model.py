@@ -39,6 +39,8 @@ class SpelModel(nn.Module):
         object.__setattr__(self, "_compile", True)
         # (stack, M, window, device) -> compiled pass; kept out of the module tree
         object.__setattr__(self, "_compiled", {})
+        # passes built so far: a round that built one paid for tracing it (decoding.loop)
+        object.__setattr__(self, "passes_built", 0)
 
     # --- weights ------------------------------------------------------------------
     @classmethod
