@@ -95,7 +95,7 @@ class SpeculativeDecoder:
         self.forced_alpha = forced_alpha
         # runner(ring, strict): the target side when it is not `model` in this process
         # (a pipeline across processes, spel_mlx.distributed); TargetRunner's interface
-        ring = max(k, self._longest(self.proposer)) + 1
+        ring = self._longest() + 1
         self.target = TargetRunner(model, ring=ring, strict=strict) if runner is None else runner(ring, strict)
         self.stats = DecodeStats()
         self.output: list = []
@@ -203,19 +203,19 @@ class SpeculativeDecoder:
         """The model's pass shapes built so far (0 where the target runs elsewhere)."""
         return getattr(self.target, "passes_built", 0)
 
-    def _longest(self, proposer) -> int:
+    def _longest(self) -> int:
         """The most proposals a round may ask for: K, or more where the proposer sets
         its own length (the n-gram draft); forced rounds keep K so their ratio is exact."""
-        if proposer is None or self.mode == "forced" or not proposer.max_k:
+        if self.proposer is None or self.mode == "forced" or not self.proposer.max_k:
             return self.k
-        return max(self.k, proposer.max_k)
+        return max(self.k, self.proposer.max_k)
 
     def _round_k(self, pos: int, remaining: int) -> int:
         """Proposals this round: at most `_longest`, fewer near max_seq or the end of
         the request."""
         if self.proposer is None:
             return 0
-        k = min(self._longest(self.proposer), self.cfg.max_seq - 1 - pos)
+        k = min(self._longest(), self.cfg.max_seq - 1 - pos)
         if self.mode != "forced":
             k = min(k, remaining - 1)
         return k

@@ -79,11 +79,10 @@ def make_pass(model, stack: str, M: int, win: int | None):
     for blk in layers:       # constants built now, captured by the trace
         if blk.kind == "gdn":
             blk.mixer.gates(M)
-        for lin in blk.linears():
-            ops.prepare_linear(lin, M)
-    if model.lm_head is not None:      # None: a pipeline stage before the last
-        ops.prepare_linear(model.lm_head, M)
+    # lm_head None: a pipeline stage before the last
     lins = [lin for blk in layers for lin in blk.linears()] + [model.lm_head] * (model.lm_head is not None)
+    for lin in lins:
+        ops.prepare_linear(lin, M)
     huge_pages.back([a for lin in lins for a in lin.layouts()])
 
     def one_pass(tokens, pos, gdn_in, kv_in):
