@@ -51,6 +51,9 @@ class ToyState:
     def discard(self):
         self.pend = []
 
+    def reset(self):
+        self.committed, self.pend = [], []
+
     def reserve(self, n):
         assert n <= self.max_seq, (n, self.max_seq)   # the decoder asks for what the call may reach
 

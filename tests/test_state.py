@@ -194,3 +194,22 @@ def test_decoder_makes_room_for_the_whole_call_before_its_first_round():
     assert set(seen) == {kv_rows(64 + 40, cfg.max_seq)} == {128}
     dec.generate(prompt, 300 - 64)                  # to max_seq: capped there
     assert dec.target.state.kv_capacity == 300
+
+
+def test_a_decoder_keeps_its_caches_between_calls_and_decodes_as_a_fresh_one():
+    """The next call reuses the KV buffers (allocating and faulting in fresh ones cost 2-20 ms
+    a call); the rows the longer first call left past the new positions are masked, so the
+    tokens equal a fresh decoder's, greedy and seeded sampling."""
+    from spel_mlx.decoding.loop import SpeculativeDecoder
+    from spel_mlx.decoding.sampling import SamplingParams
+    cfg = CFG.replace(max_seq=300)
+    m = SpelModel.from_weights(cfg, init_weights(cfg, seed=3))
+    long_prompt, prompt = [int(t) for t in toks(150, 6)], [int(t) for t in toks(12, 7)]
+    for params in (SamplingParams(temperature=0.0), SamplingParams(temperature=0.9, top_p=0.9, seed=5)):
+        used = SpeculativeDecoder(m, None, "ar", params=params)
+        used.generate(long_prompt, 60)
+        state = used.target.state
+        assert state.kv_capacity == 256
+        got = used.generate(prompt, 30)
+        assert used.target.state is state and state.kv_capacity == 256
+        assert got == SpeculativeDecoder(m, None, "ar", params=params).generate(prompt, 30)

@@ -18,10 +18,11 @@ class MLXProposer(Proposer):
         self.model, self.stack, self.strict = model, stack, strict
         self.ring = max(2, ring, PREFILL_RING)
         self.name = "mlx" if stack == "draft" else "target"
+        self.state = model.new_state(stack, ring=self.ring)
         self.reset()
 
     def reset(self):
-        self.state = self.model.new_state(self.stack, ring=self.ring)
+        self.state.reset()   # keeps the KV buffers (TargetRunner.reset)
         self.pos = 0
         self.forwards = 0
 
