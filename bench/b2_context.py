@@ -173,6 +173,12 @@ def mlx_lm_prefill_s(cfg, prompt) -> float:
     return time.perf_counter() - t0
 
 
+def prefill_repeats(n: int, repeats: int) -> int:
+    """Interleaved calls per prompt length: a short prefill is cheap and noisy (tens of
+    milliseconds against a scheduler's time slice), so it gets more, up to 15."""
+    return max(repeats, min(15, repeats * 4000 // max(n, 1)))
+
+
 def prefill_rows(model, regime, lengths, repeats, K) -> list:
     from spel_mlx.decoding.factory import make_proposer
     from spel_mlx.decoding.loop import SpeculativeDecoder
@@ -184,8 +190,10 @@ def prefill_rows(model, regime, lengths, repeats, K) -> list:
     try:
         for dec in (ar, spec):
             dec.generate(context_prompt(regime, 64), 1)
-        for _ in range(repeats):
+        for rep in range(max(prefill_repeats(n, repeats) for n in lengths)):
             for n in lengths:
+                if rep >= prefill_repeats(n, repeats):
+                    continue
                 prompt = context_prompt(regime, n + 1)    # n tokens prefilled, the last one pending
                 for mode, dec in (("ar", ar), ("spec", spec)):
                     dec.generate(prompt, 1)
@@ -195,13 +203,15 @@ def prefill_rows(model, regime, lengths, repeats, K) -> list:
     rows = []
     for n in lengths:
         a, s = median(got[(n, "ar")]), median(got[(n, "spec")])
+        # the ratio of each spec call to the ar call beside it: the machine's drift cancels
+        paired = median([b / c for c, b in zip(got[(n, "ar")], got[(n, "spec")])])
         for mode in ("ar", "spec"):
             t = a if mode == "ar" else s
             rows.append(make_row(SECTION, f"prefill {n}", regime=name, placement="target=mlx-cpu" +
                                  (" draft=c-cpu ahead" if mode == "spec" else ""), mode=mode, K=n,
                                  primary="tok_s", context=n, samples=got[(n, mode)],
                                  metrics={"tok_s": n / t, "s": t, "context": n,
-                                          **({"vs_ar": s / a} if mode == "spec" else {})}))
+                                          **({"vs_ar": paired} if mode == "spec" else {})}))
     for n in lengths:
         try:
             t = mlx_lm_prefill_s(cfg, context_prompt(regime, n))

@@ -313,7 +313,9 @@ def _b2ctx_regime(g, rows) -> list:
         body = [[n, _cell(by.get((n, "ar")), "tok_s"), _cell(by.get((n, "spec")), "tok_s"),
                  _cell(by.get((n, "spec")), "vs_ar"),
                  _cell(by.get((n, "mlx-lm")), "tok_s")] for n in lengths]
-        parts += ["", "Prefill (prompt tokens per second; spec = the C draft's prefill beside the target's):", ""]
+        parts += ["", "Prefill (prompt tokens per second, medians; spec = the C draft's prefill beside the "
+                  "target's; spec / ar time = the median over repeats of a spec call's time over the ar "
+                  "call's beside it):", ""]
         parts.append(_table(["prompt tokens", "ar tok/s", "spec tok/s", "spec / ar time",
                              "mlx-lm GDN hybrid tok/s"], body))
     for r in rows:

@@ -2,6 +2,7 @@
 model beside every speculative row, unavailable rows kept), and its pure parts."""
 import json
 import os
+import statistics
 import subprocess
 import sys
 
@@ -9,6 +10,7 @@ import pytest
 
 import spel_mlx  # noqa: F401  (BLAS before mlx.core)
 from bench import common, peers, regimes, run, worker
+from bench.b2_context import prefill_repeats
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -88,6 +90,12 @@ def test_smoke_b2_by_context(smoke):
     assert len(ar) == len(proto["contexts"]) and all(r["metrics"]["tok_s"]["median"] > 0 for r in ar)
     pre = {(r["K"], r["mode"]) for r in rows if r["name"].startswith("prefill")}
     assert pre == {(n, m) for n in proto["prefill_lengths"] for m in ("ar", "spec", "mlx-lm")}
+    timed = {(r["K"], r["mode"]): r for r in rows if r["name"].startswith("prefill") and r["mode"] != "mlx-lm"}
+    for n in proto["prefill_lengths"]:
+        a, s = timed[(n, "ar")]["samples"], timed[(n, "spec")]["samples"]
+        assert len(a) == len(s) == prefill_repeats(n, max(1, proto["ctx_repeats"] // 5)) > 1
+        assert timed[(n, "spec")]["metrics"]["vs_ar"]["median"] == pytest.approx(
+            statistics.median(y / x for x, y in zip(a, s)), rel=1e-9)
     ngram = [r for r in rows if r["name"].startswith("ngram")]
     assert len(ngram) == 1 and ngram[0]["status"] == common.SKIPPED     # random weights: said why
     assert "## B2 by context" in md and "| context | AR pass ms | v(M=2) | v(M=5) |" in md
