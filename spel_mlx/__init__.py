@@ -4,8 +4,10 @@ import sys
 import types
 
 from ._blas import blas_info, ensure_blas, set_blas_threads
+from .heap import tune as _tune_heap
 
 ensure_blas()  # must run before anything imports mlx.core
+_tune_heap()   # before MLX allocates its first buffers (spel_mlx/heap.py)
 
 __version__ = "0.1.0"
 _API = ("load", "generate", "stream_generate")

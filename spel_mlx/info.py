@@ -11,7 +11,7 @@ import argparse
 import sys
 
 import spel_mlx  # noqa: F401  (loads the BLAS before mlx.core)
-from . import huge_pages, layout
+from . import heap, huge_pages, layout
 from .config import PRESETS, ConfigError, resolve_config
 
 
@@ -50,6 +50,7 @@ def report(cfg) -> list:
         f"gpu:            {_gpu()}",
         f"kernels:        {_kernel_path()}",
         f"huge pages:     {huge_pages.state()} (weights and KV caches; SPEL_HUGE_PAGES=0 turns it off)",
+        f"heap:           {heap.state()} (freed buffers stay mapped; SPEL_HEAP_TUNING=0 turns it off)",
         "config:         " + ",".join(f"{k}={':'.join(map(str, v)) if k == 'draft_map' else v}"
                                       for k, v in cfg.to_dict().items()),
         f"layers:         {len(cfg.gdn_layers)} GDN + {len(cfg.attention_layers)} attention "

@@ -1,0 +1,60 @@
+"""The C heap under MLX's CPU buffers (Linux, glibc): freed pass buffers stay mapped.
+
+MLX takes every output buffer from malloc and frees it when the array dies, so each
+pass frees and takes again megabytes of buffers (a 16-row prefill pass of the shipped
+model: 1 MB of GDN states per layer).  glibc gives the top of its heap back to the
+kernel once more than its trim threshold is free there (by default twice an adaptive
+mmap threshold: a few MB here), so when a pass's buffers sit at the top, every pass
+shrinks the heap and the next one faults the same pages in again, zeroed.  Whether
+they sit there is a matter of allocation order: of three identical decoders in one
+process one ran its prompts 25-30% slower (its delta rule 2x, the only system calls
+`brk`).  `tune` fixes both thresholds once, at import: buffers up to 32 MB come from
+the heap, and the heap keeps up to 256 MB free at its top (what a process already
+peaked at stays mapped).
+
+SPEL_HEAP_TUNING=0 leaves malloc as it is.  Measured in docs/model.md ("The heap").
+"""
+from __future__ import annotations
+
+import ctypes
+import sys
+
+from .cpu_features import env_switch
+
+M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3     # mallopt parameters (malloc.h)
+MMAP_THRESHOLD = 32 << 20     # glibc's largest on 64-bit (HEAP_MAX_SIZE / 2)
+TRIM_THRESHOLD = 256 << 20
+
+_state: str | None = None
+
+
+def tune() -> str:
+    """Set the thresholds (once per process); returns "on" or "off (why)"."""
+    global _state
+    if _state is None:
+        _state = _apply()
+    return _state
+
+
+def state() -> str:
+    return tune()
+
+
+def _apply() -> str:
+    if not sys.platform.startswith("linux"):
+        return "off (not Linux)"
+    if not env_switch("SPEL_HEAP_TUNING"):
+        return "off (SPEL_HEAP_TUNING=0)"
+    try:
+        libc = ctypes.CDLL(None)
+        libc.gnu_get_libc_version      # glibc's thresholds: musl has no mallopt of these
+        mallopt = libc.mallopt
+    except (OSError, AttributeError):
+        return "off (not glibc)"
+    mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
+    # the mmap threshold first: a trim threshold alone would switch off the adaptive
+    # mmap threshold and leave every buffer over 128 KB to mmap and munmap
+    if not mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD):
+        return "off (mallopt refused the mmap threshold)"
+    mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD)
+    return "on"

@@ -1,0 +1,73 @@
+"""spel_mlx.heap: after `import spel_mlx` freed buffers stay mapped (glibc on Linux), so a
+pass that frees and takes again the same megabytes faults no pages in; switched off, the
+same pattern faults them in every time (the negative control)."""
+import os
+import subprocess
+import sys
+
+import pytest
+
+import spel_mlx  # noqa: F401
+from spel_mlx import heap
+
+GLIBC = sys.platform.startswith("linux") and os.confstr("CS_GNU_LIBC_VERSION") is not None
+
+# Three 24 MB buffers taken, written and freed, ten times after three warm-up rounds
+# (MLX's pattern: a pass's outputs die when the next pass's replace them).  Under
+# glibc's adaptive defaults the trim threshold is at most 64 MB, so the 72 MB freed at
+# the heap top go back to the kernel each round and come back as fresh pages.
+CHILD = r"""
+import ctypes, resource, sys
+import spel_mlx
+from spel_mlx import heap
+libc = ctypes.CDLL(None)
+libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t]
+libc.free.argtypes = [ctypes.c_void_p]
+N = 24 << 20
+def cycle():
+    ps = [libc.malloc(N) for _ in range(3)]
+    assert all(ps)
+    for p in ps:
+        ctypes.memset(p, 1, N)
+    for p in reversed(ps):
+        libc.free(p)
+for _ in range(3):
+    cycle()
+f0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+for _ in range(10):
+    cycle()
+print(heap.state(), resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f0)
+"""
+
+
+def run_child(switch: str):
+    env = dict(os.environ, SPEL_HEAP_TUNING=switch)
+    out = subprocess.run([sys.executable, "-c", CHILD], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    state, faults = out.stdout.split("\n")[-2].rsplit(" ", 1)
+    return state, int(faults)
+
+
+@pytest.mark.skipif(not GLIBC, reason="the thresholds are glibc's")
+def test_freed_buffers_stay_mapped_and_switched_off_they_fault_in_again():
+    page = os.sysconf("SC_PAGESIZE")
+    state, faults = run_child("1")
+    assert state == "on"
+    assert faults < 1000, faults                       # 720 MB written, no page faulted in
+    state, faults = run_child("0")
+    assert state == "off (SPEL_HEAP_TUNING=0)"
+    assert faults > 10 * 72 * (1 << 20) // page // 4, faults   # much of every round faulted in again
+
+
+def test_state_in_this_process():
+    expected = "on" if GLIBC and os.environ.get("SPEL_HEAP_TUNING", "1") in ("1", "on", "") else None
+    if expected:
+        assert heap.state() == expected
+    assert heap.state() == heap.tune()     # once per process: the same answer
+
+
+def test_a_bad_switch_is_an_error_naming_it():
+    env = dict(os.environ, SPEL_HEAP_TUNING="maybe")
+    out = subprocess.run([sys.executable, "-c", "import spel_mlx"], env=env, capture_output=True, text=True,
+                         timeout=60)
+    assert out.returncode != 0 and "SPEL_HEAP_TUNING='maybe': expected 0 or 1" in out.stderr
