@@ -83,6 +83,10 @@ class ToyModel:
         self.forward_tokens += len(tokens)
         return mx.array(np.stack(rows).astype(np.float32))
 
+    def step_lazy(self, token, state):
+        # greedy `ar` builds its next pass from the lazy argmax; the table reads it now
+        return self.forward([int(token.item())], state)
+
 
 def toy_ar(model, prompt, n):
     """Plain greedy decoding straight from the table (independent of the engine)."""

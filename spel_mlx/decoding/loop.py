@@ -99,6 +99,9 @@ class SpeculativeDecoder:
         self.target = TargetRunner(model, ring=ring, strict=strict) if runner is None else runner(ring, strict)
         self.stats = DecodeStats()
         self.output: list = []
+        # greedy `ar` builds each pass while the one before runs (False: one round at a
+        # time, as every other mode; the tests compare the two)
+        self.lookahead = True
         self._forced_carry = 0.0
 
     def close(self):
@@ -143,45 +146,48 @@ class SpeculativeDecoder:
         behind = False              # rounds the governor skipped left the proposer behind
         t_dec = time.perf_counter()
         try:
-            while len(out) < max_tokens:
-                pos = self.target.pos
-                if pos >= max_seq:
-                    st.stop_reason = "max_seq"
-                    break
-                t_round = time.perf_counter()
-                built = self._passes_built()
-                k = self._round_k(pos, max_tokens - len(out))
-                proposal, qs = [], None
-                if k > 0 and (gov is None or gov.drafting):
-                    if behind:      # the catch-up is the probe's cost, not the round's
-                        t_round += self._catch_up(history)
-                        behind = False
-                    proposal, qs = self._propose(history, pending, k, seed)
-                else:
-                    behind = behind or k > 0
-                n, correction = self._verify(history, pending, proposal, qs, seed)
-                self._commit(n, len(proposal))
-                history.extend(([pending] + proposal)[:n + 1])
-                if gov is not None:
-                    # a round that built a pass shape (a longer n-gram proposal, a new
-                    # attention window) paid for tracing it: its time says nothing of the mode
-                    gov.round(n, len(proposal), time.perf_counter() - t_round,
-                              timed=self._passes_built() == built)
-                emitted, stop = self._emitted(proposal[:n] + [correction], stop_set, max_tokens - len(out))
-                out.extend(emitted)
-                st.tokens = len(out)
-                pending = correction
-                if gov is not None:
-                    st.governor_trips, st.governor_resumes = gov.trips, gov.resumes
-                if on_tokens is not None:
-                    on_tokens(emitted)
-                if on_round is not None:
-                    on_round(RoundResult(tuple(proposal), n, correction, tuple(emitted)))
-                if stop:
-                    st.stop_reason = "stop_token"
-                    break
+            if self._lookahead_ar():
+                st.stop_reason = self._greedy_ar(history, pending, max_tokens, stop_set, on_tokens, on_round)
             else:
-                st.stop_reason = "max_tokens"
+                while len(out) < max_tokens:
+                    pos = self.target.pos
+                    if pos >= max_seq:
+                        st.stop_reason = "max_seq"
+                        break
+                    t_round = time.perf_counter()
+                    built = self._passes_built()
+                    k = self._round_k(pos, max_tokens - len(out))
+                    proposal, qs = [], None
+                    if k > 0 and (gov is None or gov.drafting):
+                        if behind:      # the catch-up is the probe's cost, not the round's
+                            t_round += self._catch_up(history)
+                            behind = False
+                        proposal, qs = self._propose(history, pending, k, seed)
+                    else:
+                        behind = behind or k > 0
+                    n, correction = self._verify(history, pending, proposal, qs, seed)
+                    self._commit(n, len(proposal))
+                    history.extend(([pending] + proposal)[:n + 1])
+                    if gov is not None:
+                        # a round that built a pass shape (a longer n-gram proposal, a new
+                        # attention window) paid for tracing it: its time says nothing of the mode
+                        gov.round(n, len(proposal), time.perf_counter() - t_round,
+                                  timed=self._passes_built() == built)
+                    emitted, stop = self._emitted(proposal[:n] + [correction], stop_set, max_tokens - len(out))
+                    out.extend(emitted)
+                    st.tokens = len(out)
+                    pending = correction
+                    if gov is not None:
+                        st.governor_trips, st.governor_resumes = gov.trips, gov.resumes
+                    if on_tokens is not None:
+                        on_tokens(emitted)
+                    if on_round is not None:
+                        on_round(RoundResult(tuple(proposal), n, correction, tuple(emitted)))
+                    if stop:
+                        st.stop_reason = "stop_token"
+                        break
+                else:
+                    st.stop_reason = "max_tokens"
         except KeyboardInterrupt:
             st.stop_reason = "interrupted"
             raise
@@ -197,6 +203,41 @@ class SpeculativeDecoder:
             if st.ar_rounds and st.ar_token_s is None:
                 st.ar_token_s = st.ar_s / st.ar_rounds
         return out
+
+    # -- greedy AR with the next pass built ahead ------------------------------------
+    def _lookahead_ar(self) -> bool:
+        """Plain greedy AR on a target that can build a pass from a token not yet read."""
+        return (self.lookahead and self.proposer is None and self.params.greedy
+                and not self.params.uses_penalty and getattr(self.target, "looks_ahead", False))
+
+    def _greedy_ar(self, history, pending, max_tokens, stop_set, on_tokens, on_round) -> str:
+        """The rounds of `--mode ar` (greedy) through TargetRunner.greedy_tokens: the same
+        tokens and state as one verification per round; returns the stop reason."""
+        st, out = self.stats, self.output
+        steps = self.target.greedy_tokens(pending, min(max_tokens - len(out), self.cfg.max_seq - self.target.pos))
+        try:
+            while True:
+                ta = time.perf_counter()
+                token = next(steps, None)
+                if token is None:
+                    break
+                st.ar_s += time.perf_counter() - ta
+                st.ar_rounds += 1
+                st.rounds += 1
+                history.append(pending)
+                emitted, stop = self._emitted([token], stop_set, max_tokens - len(out))
+                out.extend(emitted)
+                st.tokens = len(out)
+                pending = token
+                if on_tokens is not None:
+                    on_tokens(emitted)
+                if on_round is not None:
+                    on_round(RoundResult((), 0, token, tuple(emitted)))
+                if stop:
+                    return "stop_token"
+        finally:
+            steps.close()
+        return "max_tokens" if len(out) >= max_tokens else "max_seq"
 
     # -- the steps of a round ------------------------------------------------
     def _passes_built(self) -> int:

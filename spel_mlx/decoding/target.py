@@ -61,6 +61,38 @@ class TargetRunner:
         return None, np.array(logits)
 
     @property
+    def looks_ahead(self) -> bool:
+        """Whether `greedy_tokens` can build a pass from a token not yet read."""
+        return hasattr(self.model, "step_lazy")
+
+    def greedy_tokens(self, pending: int, count: int):
+        """Greedy AR: yields the next `count` tokens after `pending`, committing a
+        position per token.  Each step's pass is built from the lazy argmax of the one
+        before while that one runs, and started when it has finished (so MLX still
+        updates the KV caches in place): the Python and graph-building part of a step
+        no longer adds to it.  A consumer that stops early leaves nothing uncommitted."""
+        if count < 1:
+            return
+        logits = self.model.step_lazy(mx.array([pending], dtype=mx.int32), self.state)
+        y = mx.argmax(logits[0], keepdims=True).astype(mx.int32)
+        mx.async_eval(y)
+        try:
+            for i in range(count):
+                self.commit(1)
+                nxt = None
+                if i + 1 < count:
+                    nxt = mx.argmax(self.model.step_lazy(y, self.state)[0], keepdims=True).astype(mx.int32)
+                token = y.item()
+                if nxt is not None:
+                    mx.async_eval(nxt)
+                    y = nxt
+                yield token
+        finally:
+            if self.state.pending:    # built (maybe started) for a token nobody asked for
+                mx.eval(y)
+                self.state.discard()
+
+    @property
     def passes_built(self) -> int:
         """Pass shapes built so far (each is traced on first use, milliseconds)."""
         return getattr(self.model, "passes_built", 0)

@@ -98,11 +98,14 @@ def make_pass(model, stack: str, M: int, win: int | None):
     return mx.compile(one_pass) if model.compile else one_pass
 
 
-def run_pass(model, toks, state):
+def run_pass(model, toks, state, dispatch: bool = True):
     """One pass of M rows after the state's last written position; writes the new
-    KV rows and GDN slots into the state.  ``toks``: M token ids, or the input
-    activations [M, d] of a pipeline stage after the first.  Returns the stack's
-    output (logits) and the q/k of each GDN layer."""
+    KV rows and GDN slots into the state.  ``toks``: M token ids (a list, or an int32
+    [M] array that may not be computed yet), or the input activations [M, d] of a
+    pipeline stage after the first.  Returns the stack's output (logits) and the q/k
+    of each GDN layer.  ``dispatch=False`` builds the pass without starting it: the
+    caller evaluates the logits later (the KV caches are then updated in place only if
+    no earlier pass still holds them)."""
     inputs = toks if isinstance(toks, mx.array) else mx.array(toks, dtype=mx.int32)
     M = inputs.shape[0]
     base = state.pos + state.pending
@@ -133,5 +136,6 @@ def run_pass(model, toks, state):
     state.advance(M)
     # the GDN slots stay lazy: the next pass evaluates the one it starts from, and a
     # rejected token's state (chunked delta rule) is never computed
-    mx.async_eval(logits, kv_out)
+    if dispatch:
+        mx.async_eval(logits, kv_out)
     return logits, captured

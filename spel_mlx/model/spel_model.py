@@ -177,6 +177,15 @@ class SpelModel(nn.Module):
 
     __call__ = forward
 
+    def step_lazy(self, token: mx.array, state: DecodeState) -> mx.array:
+        """One position from a token that may not be computed yet (an int32 [1] array:
+        the argmax of the pass before), built but not started; logits [1, V].  One row
+        is the same pass in strict and fast mode."""
+        if token.shape != (1,) or token.dtype != mx.int32:
+            raise ValueError(f"step_lazy takes an int32 [1] token array, not {token.dtype} {token.shape}")
+        state.check_room(1)
+        return run_pass(self, token, state, dispatch=False)[0]
+
     def rows_independent(self, stack: str, M: int) -> bool:
         """True when an M-row pass gives every row exactly the bits of a single-token
         pass: the ops say so, and every weight's row blocks at 1 and M rows are whole
