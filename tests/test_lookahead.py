@@ -84,3 +84,32 @@ def test_the_kv_caches_are_still_updated_in_place():
         base = mx.get_active_memory()
         dec.generate(p, 40)
         assert mx.get_peak_memory() - base < cache, (lookahead, mx.get_peak_memory() - base, cache)
+
+
+def test_the_governors_ar_rounds_look_ahead_with_the_same_tokens(monkeypatch):
+    """`spec` with a useless draft: the cost governor suspends drafting, and the AR rounds
+    it then asks for run as one looking-ahead stretch; the text is AR's either way."""
+    from test_speculative import ToyModel, toy_ar
+    from spel_mlx.decoding.mlx_proposer import MLXProposer
+    from spel_mlx.decoding.target import TargetRunner
+    stretches = []
+    plain = TargetRunner.greedy_tokens
+
+    def spy(self, pending, count):
+        stretches.append(count)
+        yield from plain(self, pending, count)
+    monkeypatch.setattr(TargetRunner, "greedy_tokens", spy)
+    toy = ToyModel(V=12, max_seq=400, draft_noise=40.0)
+    p = [3, 1, 4, 1, 5]
+    for lookahead in (True, False):
+        stretches.clear()
+        dec = SpeculativeDecoder(toy, MLXProposer(toy, "draft", ring=5), "spec", k=4)
+        dec.lookahead = lookahead
+        out = dec.generate(p, 300)
+        st = dec.stats
+        assert out == toy_ar(toy, p, 300)
+        assert st.governor_trips >= 1 and st.rounds == st.ar_rounds + st.spec_rounds
+        if lookahead:
+            assert stretches and min(stretches) >= 2 and st.ar_rounds >= sum(stretches) > st.spec_rounds
+        else:
+            assert stretches == []

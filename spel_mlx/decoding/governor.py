@@ -206,6 +206,15 @@ class CostGovernor:
     def ar_seconds(self):
         return robust_mean(self.ar_times) if self.ar_times else None
 
+    def ar_rounds_due(self) -> int:
+        """AR rounds in a row before the governor can draft again (0 while it drafts):
+        the rest of a back-off, the AR rounds that time a call's start, or one refresh."""
+        if self.suspended:
+            return max(1, self._ar_left)
+        if self.drafting:
+            return 0
+        return max(1, self._ar_needed - len(self.ar_times))
+
     def round(self, accepted: int, proposed: int, seconds: float, timed: bool = True):
         """`timed` False: the round's time was not the mode's own (it built a pass shape):
         its acceptance counts, its time does not."""

@@ -146,8 +146,11 @@ class SpeculativeDecoder:
         behind = False              # rounds the governor skipped left the proposer behind
         t_dec = time.perf_counter()
         try:
-            if self._lookahead_ar():
-                st.stop_reason = self._greedy_ar(history, pending, max_tokens, stop_set, on_tokens, on_round)
+            if self.proposer is None and self._looks_ahead():     # greedy `ar`
+                count = min(max_tokens, max_seq - self.target.pos)
+                _, stop = self._greedy_ar(history, pending, count, max_tokens, stop_set, on_tokens, on_round)
+                st.stop_reason = ("stop_token" if stop else "max_tokens" if len(out) >= max_tokens
+                                  else "max_seq")
             else:
                 while len(out) < max_tokens:
                     pos = self.target.pos
@@ -157,6 +160,15 @@ class SpeculativeDecoder:
                     t_round = time.perf_counter()
                     built = self._passes_built()
                     k = self._round_k(pos, max_tokens - len(out))
+                    stretch = self._ar_stretch(gov, k, max_tokens - len(out))
+                    if stretch:         # the governor's AR rounds, greedy: looking ahead
+                        behind = True
+                        pending, stop = self._greedy_ar(history, pending, stretch, max_tokens, stop_set,
+                                                        on_tokens, on_round, gov)
+                        if stop:
+                            st.stop_reason = "stop_token"
+                            break
+                        continue
                     proposal, qs = [], None
                     if k > 0 and (gov is None or gov.drafting):
                         if behind:      # the catch-up is the probe's cost, not the round's
@@ -204,26 +216,41 @@ class SpeculativeDecoder:
                 st.ar_token_s = st.ar_s / st.ar_rounds
         return out
 
-    # -- greedy AR with the next pass built ahead ------------------------------------
-    def _lookahead_ar(self) -> bool:
-        """Plain greedy AR on a target that can build a pass from a token not yet read."""
-        return (self.lookahead and self.proposer is None and self.params.greedy
-                and not self.params.uses_penalty and getattr(self.target, "looks_ahead", False))
+    # -- greedy AR rounds with the next pass built ahead --------------------------------
+    def _looks_ahead(self) -> bool:
+        """Greedy rounds on a target that can build a pass from a token not yet read."""
+        return (self.lookahead and self.params.greedy and not self.params.uses_penalty
+                and getattr(self.target, "looks_ahead", False))
 
-    def _greedy_ar(self, history, pending, max_tokens, stop_set, on_tokens, on_round) -> str:
-        """The rounds of `--mode ar` (greedy) through TargetRunner.greedy_tokens: the same
-        tokens and state as one verification per round; returns the stop reason."""
+    def _ar_stretch(self, gov, k: int, remaining: int) -> int:
+        """AR rounds to run in one stretch looking ahead: the ones the governor asks for
+        before it drafts again (its back-off, or the AR rounds that time a call's start)."""
+        due = getattr(gov, "ar_rounds_due", None)
+        if k <= 0 or due is None or not self._looks_ahead():
+            return 0
+        n = min(due(), remaining, self.cfg.max_seq - self.target.pos)
+        return n if n >= 2 else 0
+
+    def _greedy_ar(self, history, pending, count, max_tokens, stop_set, on_tokens, on_round, gov=None):
+        """`count` AR rounds through TargetRunner.greedy_tokens (each step's pass built
+        while the one before runs): the tokens and state of one verification per round.
+        Each is timed and reported to the governor as its own round.  Returns (the next
+        pending token, whether a stop token ended it)."""
         st, out = self.stats, self.output
-        steps = self.target.greedy_tokens(pending, min(max_tokens - len(out), self.cfg.max_seq - self.target.pos))
+        steps = self.target.greedy_tokens(pending, count)
         try:
             while True:
-                ta = time.perf_counter()
+                ta, built = time.perf_counter(), self._passes_built()
                 token = next(steps, None)
                 if token is None:
-                    break
-                st.ar_s += time.perf_counter() - ta
+                    return pending, False
+                dt = time.perf_counter() - ta
+                st.ar_s += dt
                 st.ar_rounds += 1
                 st.rounds += 1
+                if gov is not None:
+                    gov.round(0, 0, dt, timed=self._passes_built() == built)
+                    st.governor_trips, st.governor_resumes = gov.trips, gov.resumes
                 history.append(pending)
                 emitted, stop = self._emitted([token], stop_set, max_tokens - len(out))
                 out.extend(emitted)
@@ -234,10 +261,9 @@ class SpeculativeDecoder:
                 if on_round is not None:
                     on_round(RoundResult((), 0, token, tuple(emitted)))
                 if stop:
-                    return "stop_token"
+                    return pending, True
         finally:
             steps.close()
-        return "max_tokens" if len(out) >= max_tokens else "max_seq"
 
     # -- the steps of a round ------------------------------------------------
     def _passes_built(self) -> int:
