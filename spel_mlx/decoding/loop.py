@@ -143,63 +143,16 @@ class SpeculativeDecoder:
         if calibrate and max_tokens > 0:
             st.ar_token_s = self._calibrate_ar(pending)
         self._forced_carry = 0.0
-        behind = False              # rounds the governor skipped left the proposer behind
         t_dec = time.perf_counter()
         try:
-            if self.proposer is None and self._looks_ahead():     # greedy `ar`
+            if proposer is None and self._looks_ahead():     # greedy `ar`
                 count = min(max_tokens, max_seq - self.target.pos)
                 _, stop = self._greedy_ar(history, pending, count, max_tokens, stop_set, on_tokens, on_round)
                 st.stop_reason = ("stop_token" if stop else "max_tokens" if len(out) >= max_tokens
                                   else "max_seq")
             else:
-                while len(out) < max_tokens:
-                    pos = self.target.pos
-                    if pos >= max_seq:
-                        st.stop_reason = "max_seq"
-                        break
-                    t_round = time.perf_counter()
-                    built = self._passes_built()
-                    k = self._round_k(pos, max_tokens - len(out))
-                    stretch = self._ar_stretch(gov, k, max_tokens - len(out))
-                    if stretch:         # the governor's AR rounds, greedy: looking ahead
-                        behind = True
-                        pending, stop = self._greedy_ar(history, pending, stretch, max_tokens, stop_set,
-                                                        on_tokens, on_round, gov)
-                        if stop:
-                            st.stop_reason = "stop_token"
-                            break
-                        continue
-                    proposal, qs = [], None
-                    if k > 0 and (gov is None or gov.drafting):
-                        if behind:      # the catch-up is the probe's cost, not the round's
-                            t_round += self._catch_up(history)
-                            behind = False
-                        proposal, qs = self._propose(history, pending, k, seed)
-                    else:
-                        behind = behind or k > 0
-                    n, correction = self._verify(history, pending, proposal, qs, seed)
-                    self._commit(n, len(proposal))
-                    history.extend(([pending] + proposal)[:n + 1])
-                    if gov is not None:
-                        # a round that built a pass shape (a longer n-gram proposal, a new
-                        # attention window) paid for tracing it: its time says nothing of the mode
-                        gov.round(n, len(proposal), time.perf_counter() - t_round,
-                                  timed=self._passes_built() == built)
-                    emitted, stop = self._emitted(proposal[:n] + [correction], stop_set, max_tokens - len(out))
-                    out.extend(emitted)
-                    st.tokens = len(out)
-                    pending = correction
-                    if gov is not None:
-                        st.governor_trips, st.governor_resumes = gov.trips, gov.resumes
-                    if on_tokens is not None:
-                        on_tokens(emitted)
-                    if on_round is not None:
-                        on_round(RoundResult(tuple(proposal), n, correction, tuple(emitted)))
-                    if stop:
-                        st.stop_reason = "stop_token"
-                        break
-                else:
-                    st.stop_reason = "max_tokens"
+                st.stop_reason = self._rounds(history, pending, max_tokens, stop_set, on_tokens, on_round,
+                                              gov, seed)
         except KeyboardInterrupt:
             st.stop_reason = "interrupted"
             raise
@@ -215,6 +168,57 @@ class SpeculativeDecoder:
             if st.ar_rounds and st.ar_token_s is None:
                 st.ar_token_s = st.ar_s / st.ar_rounds
         return out
+
+    # -- the rounds of a call ----------------------------------------------------------
+    def _rounds(self, history, pending, max_tokens, stop_set, on_tokens, on_round, gov, seed) -> str:
+        """Round after round (SPEC 5) until max_tokens, a stop token or max_seq; returns
+        the stop reason.  `history` grows by the committed tokens."""
+        st, out, max_seq = self.stats, self.output, self.cfg.max_seq
+        behind = False              # rounds the governor skipped left the proposer behind
+        while len(out) < max_tokens:
+            pos = self.target.pos
+            if pos >= max_seq:
+                return "max_seq"
+            t_round = time.perf_counter()
+            built = self._passes_built()
+            k = self._round_k(pos, max_tokens - len(out))
+            stretch = self._ar_stretch(gov, k, max_tokens - len(out))
+            if stretch:         # the governor's AR rounds, greedy: looking ahead
+                behind = True
+                pending, stop = self._greedy_ar(history, pending, stretch, max_tokens, stop_set,
+                                                on_tokens, on_round, gov)
+                if stop:
+                    return "stop_token"
+                continue
+            proposal, qs = [], None
+            if k > 0 and (gov is None or gov.drafting):
+                if behind:      # the catch-up is the probe's cost, not the round's
+                    t_round += self._catch_up(history)
+                    behind = False
+                proposal, qs = self._propose(history, pending, k, seed)
+            else:
+                behind = behind or k > 0
+            n, correction = self._verify(history, pending, proposal, qs, seed)
+            self._commit(n, len(proposal))
+            history.extend(([pending] + proposal)[:n + 1])
+            if gov is not None:
+                # a round that built a pass shape (a longer n-gram proposal, a new
+                # attention window) paid for tracing it: its time says nothing of the mode
+                gov.round(n, len(proposal), time.perf_counter() - t_round,
+                          timed=self._passes_built() == built)
+            emitted, stop = self._emitted(proposal[:n] + [correction], stop_set, max_tokens - len(out))
+            out.extend(emitted)
+            st.tokens = len(out)
+            pending = correction
+            if gov is not None:
+                st.governor_trips, st.governor_resumes = gov.trips, gov.resumes
+            if on_tokens is not None:
+                on_tokens(emitted)
+            if on_round is not None:
+                on_round(RoundResult(tuple(proposal), n, correction, tuple(emitted)))
+            if stop:
+                return "stop_token"
+        return "max_tokens"
 
     # -- greedy AR rounds with the next pass built ahead --------------------------------
     def _looks_ahead(self) -> bool:
