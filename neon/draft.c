@@ -180,6 +180,7 @@ struct spel_draft {
     int kernel, R, read, last_m, shared_set;
     int64_t pos;
     spel_pool *pool;
+    spel_pool *work_pool;   /* what the GEMVs run on: the pool, or NULL (one thread) on the ahead thread */
     dlayer *L;
     float *emb, *fnorm, *head;
     spel_qmat head_q;
@@ -258,7 +259,7 @@ spel_draft *spel_draft_new(const spel_draft_config *cfg, const int *kinds) {
         return d;
     }
     d->R = cfg->ring;
-    d->pool = spel_pool_create(cfg->threads);
+    d->pool = d->work_pool = spel_pool_create(cfg->threads);
     d->L = calloc((size_t)cfg->n_layers, sizeof(dlayer));
     int64_t wmax = dm > inner ? dm : inner;
     if (ff > wmax) wmax = ff;
@@ -459,7 +460,7 @@ int64_t spel_draft_packed_bytes(const spel_draft *d, int which) {
 static void qlinear(spel_draft *d, const float *x, int64_t n, const spel_qmat *m0, float *y0,
                     const spel_qmat *m1, float *y1) {
     spel_act_quantize(&d->act, x, n, d->kernel);
-    spel_qgemv(d->pool, d->kernel, m0, y0, m1, y1, &d->act);
+    spel_qgemv(d->work_pool, d->kernel, m0, y0, m1, y1, &d->act);
 }
 
 /* Rotate pairs (2i, 2i+1) by the angles whose cos/sin the caller computed once per position. */
@@ -677,7 +678,7 @@ static int run_token(spel_draft *d, int32_t tok, int j, float *logits) {
     if (!logits) return 0;   /* state only: the FP32 head is ~a third of a token */
     rmsnorm(d->x, d->fnorm, dm, c->norm_eps, d->xn);
     if (c->q8_head) qlinear(d, d->xn, dm, &d->head_q, logits, NULL, NULL);
-    else spel_fgemv(d->pool, d->head, c->vocab, dm, d->xn, logits);
+    else spel_fgemv(d->work_pool, d->head, c->vocab, dm, d->xn, logits);
     return 0;
 }
 
@@ -865,9 +866,13 @@ static void *ahead_main(void *arg) {
         pthread_mutex_unlock(&d->ahead.mu);
         /* a prefill runs beside the target's: at normal priority, it is on the critical path */
         ahead_priority(pthread_self(), !d->ahead.prefill);
+        /* the target runs meanwhile: this thread alone, the pool's helpers stay for the
+         * calls the target waits for */
+        d->work_pool = NULL;
         int rc = d->ahead.prefill ? prefill(d, d->ahead.tokens, d->ahead.n_tokens)
                                   : propose_at(d, d->ahead.pending, d->ahead.k, d->ahead.start, d->ahead.guess,
                                                d->ahead.out);
+        d->work_pool = d->pool;
         pthread_mutex_lock(&d->ahead.mu);
         d->ahead.rc = rc;
         d->ahead.ready = 1;
