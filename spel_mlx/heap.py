@@ -6,11 +6,10 @@ model: 1 MB of GDN states per layer).  glibc gives the top of its heap back to t
 kernel once more than its trim threshold is free there (by default twice an adaptive
 mmap threshold: a few MB here), so when a pass's buffers sit at the top, every pass
 shrinks the heap and the next one faults the same pages in again, zeroed.  Whether
-they sit there is a matter of allocation order: of three identical decoders in one
-process one ran its prompts 25-30% slower (its delta rule 2x, the only system calls
-`brk`).  `tune` fixes both thresholds once, at import: buffers up to 32 MB come from
-the heap, and the heap keeps up to 256 MB free at its top (what a process already
-peaked at stays mapped).
+they sit there is a matter of allocation order, so one of several identical decoders
+could run far slower than the others.  `tune` fixes both thresholds once, at import:
+buffers up to 32 MB come from the heap, and the heap keeps up to 256 MB free at its top
+(what a process already peaked at stays mapped).
 
 SPEL_HEAP_TUNING=0 leaves malloc as it is.  Measured in docs/model.md ("The heap").
 """

@@ -30,7 +30,7 @@ class TargetRunner:
 
     def reset(self):
         """An empty state for the next call, keeping the KV buffers grown so far: a fresh
-        state would allocate them again and fault their pages in (2-20 ms a call)."""
+        state would allocate them again and fault their pages in (docs/model.md)."""
         self.state.reset()
         self.pos = 0
 
