@@ -211,7 +211,9 @@ def test_ctrl_c_stops_cleanly_with_stats(tmp_path):
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     p = subprocess.Popen([sys.executable, "-m", "spel_mlx.generate", "--checkpoint", str(path),
                           "--max-tokens", "4000", "--mode", "ar", "--strict", "--stats"],
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env,
+                         # a shell's background job ignores SIGINT, and so would the child
+                         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         first = p.stdout.read(1)  # streaming: text arrives before the end
         assert first
