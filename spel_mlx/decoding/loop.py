@@ -248,13 +248,9 @@ class SpeculativeDecoder:
                 token = next(steps, None)
                 if token is None:
                     return pending, False
-                dt = time.perf_counter() - ta
-                st.ar_s += dt
+                st.ar_s += time.perf_counter() - ta
                 st.ar_rounds += 1
                 st.rounds += 1
-                if gov is not None:
-                    gov.round(0, 0, dt, timed=self._passes_built() == built)
-                    st.governor_trips, st.governor_resumes = gov.trips, gov.resumes
                 history.append(pending)
                 emitted, stop = self._emitted([token], stop_set, max_tokens - len(out))
                 out.extend(emitted)
@@ -264,6 +260,9 @@ class SpeculativeDecoder:
                     on_tokens(emitted)
                 if on_round is not None:
                     on_round(RoundResult((), 0, token, tuple(emitted)))
+                if gov is not None:   # the round's whole time, as a drafting round's is timed
+                    gov.round(0, 0, time.perf_counter() - ta, timed=self._passes_built() == built)
+                    st.governor_trips, st.governor_resumes = gov.trips, gov.resumes
                 if stop:
                     return pending, True
         finally:
