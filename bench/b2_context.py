@@ -190,9 +190,10 @@ def prefill_rows(model, regime, lengths, repeats, K) -> list:
     try:
         for dec in (ar, spec):
             dec.generate(context_prompt(regime, 64), 1)
-        for rep in range(max(prefill_repeats(n, repeats) for n in lengths)):
+        reps = {n: prefill_repeats(n, repeats) for n in lengths}
+        for rep in range(max(reps.values())):
             for n in lengths:
-                if rep >= prefill_repeats(n, repeats):
+                if rep >= reps[n]:
                     continue
                 prompt = context_prompt(regime, n + 1)    # n tokens prefilled, the last one pending
                 for mode, dec in (("ar", ar), ("spec", spec)):

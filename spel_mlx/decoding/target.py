@@ -73,15 +73,16 @@ class TargetRunner:
         no longer adds to it.  A consumer that stops early leaves nothing uncommitted."""
         if count < 1:
             return
-        logits = self.model.step_lazy(mx.array([pending], dtype=mx.int32), self.state)
-        y = mx.argmax(logits[0], keepdims=True).astype(mx.int32)
+
+        def argmax_after(token):      # the lazy int32 [1] argmax of the pass over `token`
+            return mx.argmax(self.model.step_lazy(token, self.state)[0], keepdims=True).astype(mx.int32)
+
+        y = argmax_after(mx.array([pending], dtype=mx.int32))
         mx.async_eval(y)
         try:
             for i in range(count):
                 self.commit(1)
-                nxt = None
-                if i + 1 < count:
-                    nxt = mx.argmax(self.model.step_lazy(y, self.state)[0], keepdims=True).astype(mx.int32)
+                nxt = argmax_after(y) if i + 1 < count else None
                 token = y.item()
                 if nxt is not None:
                     mx.async_eval(nxt)
