@@ -26,6 +26,7 @@ from .api import (DEFAULT_REPETITION_PENALTY, DEFAULT_TEMPERATURE, DEFAULT_TOP_P
 from .decoding.c_proposer import DRAFT_CONTEXT
 from .decoding.sampling import ACCEPT_RULES, DEFAULT_ACCEPT
 from .distributed.link import PipelineError
+from .state import KV_DTYPES
 
 DEFAULT_PROMPT = "It is a truth universally acknowledged, that"
 DEFAULT_MAX_TOKENS = 200
@@ -83,6 +84,9 @@ def build_parser() -> argparse.ArgumentParser:
                                         "else the shipped one; vocab 128 uses ASCII bytes)")
     ap.add_argument("--config", help="config overrides k=v,...; must agree with the checkpoint")
     ap.add_argument("--strict", action="store_true", help="strict (bit-exact) verification path")
+    ap.add_argument("--kv-cache", choices=tuple(KV_DTYPES), default="float32",
+                    help="the target's K/V cache dtype: float32 (the exact model, default) or float16 "
+                         "(half the bytes per token at long contexts; k and v rounded once)")
     ap.add_argument("--governor", choices=("cost", "original", "off"), default=None,
                     help="when rounds draft: cost (the cost model: drafts while that pays, re-probes "
                          "with back-off), original (the original's rule: the first zero-accept round "
@@ -175,7 +179,8 @@ def load_model(args):
     """(model, tokenizer) for the command line's flags."""
     placement = None if args.placement == "auto" else args.placement  # auto: chosen after loading
     try:
-        return load(args.checkpoint, tokenizer=args.tokenizer, config=args.config, placement=placement)
+        return load(args.checkpoint, tokenizer=args.tokenizer, config=args.config, placement=placement,
+                    kv_cache=args.kv_cache)
     except LoadError as e:
         raise UsageError(str(e)) from None
 
@@ -185,6 +190,8 @@ def check_pipeline(args, mode):
     if args.pipeline and (mode == "oracle" or args.draft in ("mlx", "target") or args.placement == "auto"):
         raise UsageError("--pipeline drafts with the C draft or n-gram lookup on rank 0: "
                          "--draft mlx/target, --mode oracle and --placement auto are not available")
+    if args.pipeline and args.kv_cache != "float32":
+        raise UsageError("--pipeline: the stages keep float32 K/V caches (--kv-cache float16 is not available)")
 
 
 def open_pipeline(args):
@@ -332,7 +339,8 @@ def run(argv=None, stdout=None, stderr=None) -> int:
                   "top_p": request.params.top_p, "top_k": request.params.top_k,
                   "repetition_penalty": request.params.repetition_penalty, "seed": request.params.seed,
                   "accept": request.params.accept,
-                  "draft_threads": request.decoding.draft_threads, "target_device": model.device})
+                  "draft_threads": request.decoding.draft_threads, "target_device": model.device,
+                  "kv_cache": model.model.kv_cache})
         if forced_alpha is not None:
             d["forced_alpha"] = forced_alpha
         if placement is not None:

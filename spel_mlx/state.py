@@ -1,6 +1,7 @@
 """Decoding state of one stack (target or draft), kept apart from the model.
 
-* attention layer: K and V caches ``[rows, H, hd]`` (rotated k, v) that grow with the
+* attention layer: K and V caches ``[rows, H, hd]`` (rotated k, v; float32, or float16
+  when asked for: ``KV_DTYPES``) that grow with the
   positions used, never past max_seq (``kv_rows``: the next power of two from 64, so a
   pass's attention window always fits and growth copies O(1) per token amortized);
 * GDN layer: a ring of R slots (R = K+1 by default), each slot holding the
@@ -27,10 +28,22 @@ import mlx.core as mx  # noqa: E402  (spel_mlx is imported first: BLAS loaded)
 
 
 KV_MIN_ROWS = 64
+# the K/V caches' element type by name: float32 is SPEC's exact model; float16 halves
+# the bytes a long context streams per token (k and v rounded once, as written)
+KV_DTYPES = {"float32": mx.float32, "float16": mx.float16}
 
 
 class StateError(ValueError):
     """Misuse of a DecodeState (commit out of range, past max_seq, ...)."""
+
+
+def kv_dtype(name) -> mx.Dtype:
+    """The cache dtype called ``name`` ("float32" | "float16"; an mx dtype passes)."""
+    if name in KV_DTYPES.values():
+        return name
+    if name not in KV_DTYPES:
+        raise StateError(f"KV cache dtype {name!r}: expected one of {', '.join(KV_DTYPES)}")
+    return KV_DTYPES[name]
 
 
 def kv_rows(n: int, max_seq: int) -> int:
@@ -67,9 +80,11 @@ class _Row:
 
 
 class DecodeState:
-    def __init__(self, cfg: ModelConfig, stack: str = "target", ring: int | None = None, layers=None):
+    def __init__(self, cfg: ModelConfig, stack: str = "target", ring: int | None = None, layers=None,
+                 kv: str = "float32"):
         """``layers``: the target layers this state covers (a pipeline stage's slice,
-        indexed from 0 here); None: the whole stack."""
+        indexed from 0 here); None: the whole stack.  ``kv``: the K/V caches' dtype."""
+        self.kv_dtype = kv_dtype(kv)
         if stack == "target":
             kinds = [cfg.layer_kind(i) for i in (range(cfg.n_layers) if layers is None else layers)]
         elif stack == "draft":
@@ -88,8 +103,8 @@ class DecodeState:
         self.ring_S = {i: [mx.zeros((H, hd, hd)) for _ in range(ring)] for i in self.gdn_layers}
         self.ring_tail = {i: [mx.zeros((2, d)) for _ in range(ring)] for i in self.gdn_layers}
         self.kv_capacity = kv_rows(1, self.max_seq)
-        self.k_cache = {i: mx.zeros((self.kv_capacity, H, hd)) for i in self.attn_layers}
-        self.v_cache = {i: mx.zeros((self.kv_capacity, H, hd)) for i in self.attn_layers}
+        self.k_cache = {i: mx.zeros((self.kv_capacity, H, hd), self.kv_dtype) for i in self.attn_layers}
+        self.v_cache = {i: mx.zeros((self.kv_capacity, H, hd), self.kv_dtype) for i in self.attn_layers}
         mx.eval(list(self.k_cache.values()), list(self.v_cache.values()),
                 [s for v in self.ring_S.values() for s in v], [t for v in self.ring_tail.values() for t in v])
         self.read = 0       # ring slot of the committed GDN state

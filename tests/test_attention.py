@@ -101,3 +101,51 @@ def test_keys_far_below_the_max_contribute_nothing():
     got = _attend(q, kc, vc, pos)
     assert np.abs(got - _float64_attention(q, kc, vc, 90)).max() < 1e-5
     assert np.array_equal(_attend(q, kc, vc, pos, "none"), got)
+
+
+# --- a half-precision (float16) cache -------------------------------------------------
+
+def _levels():
+    return {"none": ["none"], "avx2": ["none", "avx2"], "avx512": ["none", "avx2", "avx512"]}[E.simd()]
+
+
+@pytest.mark.parametrize("M,pos0,W,H,hd", [(1, 0, 64, 3, 32), (5, 37, 64, 3, 32), (17, 400, 512, 3, 64),
+                                           (9, 3000, 4096, 6, 64), (3, 20, 40, 2, 30), (2, 50, 60, 2, 128)])
+def test_a_float16_cache_gives_the_bits_of_its_values_widened(M, pos0, W, H, hd):
+    """Every variant reads a float16 cache as the float32 cache of the same values: the
+    same bits as the widened cache through the scalar reference (hd 30: the SIMD variants
+    read binary16 in whole 16-element chunks only, so the reference runs there)."""
+    q, kc, vc, pos = _case(M, pos0, W, H, hd, seed=5)
+    kh, vh = kc.astype(mx.float16), vc.astype(mx.float16)
+    want = _attend(q, kh.astype(mx.float32), vh.astype(mx.float32), pos, "none")
+    for level in _levels():
+        assert np.array_equal(_attend(q, kh, vh, pos, level), want), level
+    # the cache's rounding moves the result a little, not more
+    assert np.abs(want - _attend(q, kc, vc, pos, "none")).max() < 5e-3
+
+
+@pytest.mark.parametrize("level", ["none", "avx2", "avx512"])
+def test_every_binary16_value_is_widened_exactly(level):
+    """One visible key: the output is that key's value row itself (weight exactly 1), so a
+    cache holding all 65,536 binary16 bit patterns as values returns each one widened
+    (NaNs stay NaN, -0 comes back as +0 from the sum)."""
+    if level not in _levels():
+        pytest.skip(f"this CPU has no {level}")
+    bits = np.arange(65536, dtype=np.uint16).reshape(1, 512, 128)
+    values = mx.array(bits.view(np.float16))
+    vc = mx.concatenate([values, mx.zeros((15, 512, 128), mx.float16)])
+    kc = mx.zeros((16, 512, 128), mx.float16)
+    q = mx.zeros((1, 512, 128))
+    got = _attend(q, kc, vc, mx.array(0, dtype=mx.int32), level)
+    np.testing.assert_array_equal(got[0], bits[0].view(np.float16).astype(np.float32))
+
+
+def test_float16_cache_matches_mlx_ops_and_checks_its_arguments():
+    q, kc, vc, pos = _case(5, 3500, 4096, 4, 64, seed=6)
+    kh, vh = kc.astype(mx.float16), vc.astype(mx.float16)
+    want = np.asarray(MLXOps().attend(q, kh, vh, pos, 5))
+    assert np.abs(_attend(q, kh, vh, pos) - want).max() < 1e-5
+    with pytest.raises(ValueError, match="dtypes differ"):
+        E.attend(q, kh, vc, pos)
+    with pytest.raises(ValueError, match="float32 or float16"):
+        E.attend(q, kc.astype(mx.bfloat16), vc.astype(mx.bfloat16), pos)

@@ -71,6 +71,17 @@ def test_greedy_modes_agree_end_to_end(ckpt):
             assert key in st
 
 
+def test_half_kv_cache_modes_agree(ckpt):
+    base = ["--checkpoint", ckpt, "--prompt", "the cat sat on the mat. the cat", "--max-tokens", 30,
+            "--temperature", 0, "--stats", "--kv-cache", "float16"]
+    code, ref, err = run(*base, "--mode", "ar")
+    assert code == 0 and stats_of(err)["kv_cache"] == "float16", err
+    for extra in (["--draft", "mlx"], ["--draft", "mlx", "--strict"], ["--draft", "c"]):
+        code, out, err = run(*base, *extra)
+        assert code == 0 and out == ref, (extra, err)
+    assert stats_of(run(*base[:-2])[2])["kv_cache"] == "float32"
+
+
 def test_default_draft_by_sampling(ckpt):
     """Greedy spec: n-gram, else the C draft (auto); sampled: the C draft."""
     code, out, err = run("--checkpoint", ckpt, "--max-tokens", 12, "--temperature", 0, "--stats",
@@ -144,6 +155,8 @@ def test_runs_into_max_seq(ckpt):
     (["--governor-window", "0"], "--governor-window"),
     (["--seed", "-1"], "seed=-1"),
     (["--accept", "maximal"], "invalid choice"),
+    (["--kv-cache", "bfloat16"], "invalid choice"),
+    (["--pipeline", "--kv-cache", "float16"], "--kv-cache float16 is not available"),
 ])
 def test_bad_input_one_line_exit_2(ckpt, argv, needle):
     code, out, err = run("--checkpoint", ckpt, *argv)

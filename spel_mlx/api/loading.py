@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from ..config import ModelConfig
 from ..loading import LoadError, NoCheckpoint, load_for_decoding
 from ..model.backends import DeviceError, placement_device
+from ..state import KV_DTYPES
 
 __all__ = ["LoadError", "LoadedModel", "NoCheckpoint", "load"]
 
@@ -42,7 +43,7 @@ class LoadedModel:
                 self.pipeline.close()
 
 
-def load(path=None, *, tokenizer=None, config=None, placement=None):
+def load(path=None, *, tokenizer=None, config=None, placement=None, kv_cache="float32"):
     """``(model, tokenizer)`` for a SPELW001 file or a safetensors folder.
 
     path None: $SPEL_WEIGHTS, else the shipped model.  tokenizer: a SentencePiece
@@ -50,13 +51,18 @@ def load(path=None, *, tokenizer=None, config=None, placement=None):
     the original's ASCII bytes).  config: overrides as ``"k=v,..."`` or a dict; they
     must agree with the checkpoint's header (only spec_k may differ).  placement:
     where the target runs, "gpu" (MLX's GPU: Metal or CUDA; a LoadError when there is
-    none), "cpu", or None: the GPU where MLX has one, else the CPU.  Failures are
-    LoadError, whose message names what is wrong, or NoCheckpoint when no path was
-    given and no trained checkpoint is installed."""
+    none), "cpu", or None: the GPU where MLX has one, else the CPU.  kv_cache: the
+    target's K/V cache dtype, "float32" (SPEC's exact model) or "float16" (half the
+    bytes a long context reads per token; k and v rounded once as they are written,
+    docs/model.md).  Failures are LoadError, whose message names what is wrong, or
+    NoCheckpoint when no path was given and no trained checkpoint is installed."""
+    if kv_cache not in KV_DTYPES:
+        raise LoadError(f"kv_cache={kv_cache!r}: expected one of {', '.join(KV_DTYPES)}")
     try:
         device = placement_device(placement)
     except DeviceError as e:
         raise LoadError(str(e)) from None
     ck, _, tok, model = load_for_decoding(None if path is None else str(path), config, None, tokenizer,
                                           device=device)
+    model.kv_cache = kv_cache
     return LoadedModel(model, ck.weights, ck.source, device), tok

@@ -2,7 +2,9 @@
 // softmax (flash-style): each block of BK = 16 cache rows is read once for all M
 // queries, the causal mask is applied inside the block, and exp is the exp-free 2^t
 // polynomial of model.silu_mul.  A scalar reference and AVX-512 / AVX2 variants that
-// do the same float operations in the same order (identical bits; tests compare).
+// do the same float operations in the same order (identical bits; tests compare), each
+// for a float32 cache and a binary16 one (elements widened exactly as they are read:
+// the same arithmetic on the same values).
 //
 // The keys are cut into chunks of CHUNK absolute positions.  Each chunk is reduced from
 // its own running state, walking its blocks 0, 16, 32, ... (every head of a block, so a
@@ -26,6 +28,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #include "common.h"
@@ -82,13 +85,14 @@ constexpr int64_t TOUCH_FROM = 256;   // keys; a shorter cache stays in the cach
 // docs/model.md); one chunk, up to this many keys, is not worth a hand-over.
 constexpr int64_t CHUNK = 512;
 
+template <class E>
 inline void touch_block(const AttendArgs& A, int64_t b0, int64_t nb) {
-  const int64_t bytes = 4 * A.hd;
+  const int64_t bytes = sizeof(E) * A.hd;
   unsigned t = 0;
   for (int64_t w = b0; w < b0 + nb; w++)
     for (int64_t h = 0; h < A.H; h++) {   // whatever the strides, only the elements read later
-      const unsigned char* k = reinterpret_cast<const unsigned char*>(A.key(w, h));
-      const unsigned char* v = reinterpret_cast<const unsigned char*>(A.value(w, h));
+      const unsigned char* k = reinterpret_cast<const unsigned char*>(A.key<E>(w, h));
+      const unsigned char* v = reinterpret_cast<const unsigned char*>(A.value<E>(w, h));
       for (int64_t b = 0; b < bytes; b += 64) t |= k[b] | v[b];
       t |= k[bytes - 1] | v[bytes - 1];     // the line of the last element
     }
@@ -97,12 +101,12 @@ inline void touch_block(const AttendArgs& A, int64_t b0, int64_t nb) {
 
 // The walk every variant shares: the chunk's key blocks in order, then heads, then the
 // queries that see the block; block(b0, nb, h, q, m_run, lanes, acc) does one (query, head).
-template <class Block>
+template <class E, class Block>
 void walk(const AttendArgs& A, Running& R, Block block) {
   const int64_t end = std::min(A.visible(A.M - 1), A.k_end);
   const bool touch = A.visible(A.M - 1) >= TOUCH_FROM;
   for (int64_t b0 = A.k_begin; b0 < end; b0 += BK) {
-    if (touch) touch_block(A, b0, std::min<int64_t>(BK, end - b0));
+    if (touch) touch_block<E>(A, b0, std::min<int64_t>(BK, end - b0));
     for (int64_t h = 0; h < A.H; h++)
       for (int64_t m = 0; m < A.M; m++) {
         const int64_t nb = std::min<int64_t>(BK, std::min(A.visible(m), A.k_end) - b0);
@@ -113,19 +117,23 @@ void walk(const AttendArgs& A, Running& R, Block block) {
   }
 }
 
+inline float widen(float x) { return x; }
+inline float widen(uint16_t x) { return half_to_float(x); }
+
+template <class E>
 void attend_ref(const AttendArgs& A, Running& R) {
   const int64_t hd = A.hd, J = (hd + 15) / 16;
   std::vector<float> even(hd), odd(hd);
-  walk(A, R, [&](int64_t b0, int64_t nb, int64_t h, const float* q, float& m_run, float* lanes, float* acc) {
+  walk<E>(A, R, [&](int64_t b0, int64_t nb, int64_t h, const float* q, float& m_run, float* lanes, float* acc) {
     float a[16], s[BK], p[BK];
     float top = -INFINITY;
     for (int64_t w = 0; w < nb; w++) {
-      const float* k = A.key(b0 + w, h);
-      for (int l = 0; l < 16; l++) a[l] = l < hd ? q[l] * k[l] : 0.0f;
+      const E* k = A.key<E>(b0 + w, h);
+      for (int l = 0; l < 16; l++) a[l] = l < hd ? q[l] * widen(k[l]) : 0.0f;
       for (int64_t j = 1; j < J; j++)
         for (int l = 0; l < 16; l++) {
           const int64_t i = 16 * j + l;
-          a[l] = std::fma(i < hd ? q[i] : 0.0f, i < hd ? k[i] : 0.0f, a[l]);
+          a[l] = std::fma(i < hd ? q[i] : 0.0f, i < hd ? widen(k[i]) : 0.0f, a[l]);
         }
       s[w] = halving_sum16(a) * A.c;
       top = std::max(top, s[w]);
@@ -139,17 +147,29 @@ void attend_ref(const AttendArgs& A, Running& R) {
     }
     for (int64_t d = 0; d < hd; d++) even[d] = odd[d] = 0.0f;
     for (int64_t w = 0; w < nb; w++) {
-      const float* v = A.value(b0 + w, h);
+      const E* v = A.value<E>(b0 + w, h);
       float* e = (w & 1) ? odd.data() : even.data();
-      for (int64_t d = 0; d < hd; d++) e[d] = std::fma(p[w], v[d], e[d]);
+      for (int64_t d = 0; d < hd; d++) e[d] = std::fma(p[w], widen(v[d]), e[d]);
     }
     for (int64_t d = 0; d < hd; d++) acc[d] = std::fma(acc[d], alpha, even[d] + odd[d]);
   });
 }
 
 #if SPEL_AVX2
-#define SPEL_TARGET_AVX2_FMA __attribute__((target("avx2,fma")))
+#define SPEL_TARGET_AVX2_FMA __attribute__((target("avx2,fma,f16c")))
 const bool HAVE_FMA = __builtin_cpu_supports("fma");
+const bool HAVE_F16C = __builtin_cpu_supports("f16c");
+
+// 16 (AVX-512, masked) or 8 (AVX2) elements as floats; a binary16 cache only in whole
+// 16-element chunks (hd % 16 == 0: the dispatch checks), widened exactly
+SPEL_TARGET_AVX512 inline __m512 load16(__mmask16 m, const float* p) { return _mm512_maskz_loadu_ps(m, p); }
+SPEL_TARGET_AVX512 inline __m512 load16(__mmask16, const uint16_t* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+SPEL_TARGET_AVX2_FMA inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+SPEL_TARGET_AVX2_FMA inline __m256 load8(const uint16_t* p) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
 
 // --- AVX-512: one vector of 16 scores per block ----------------------------------------
 // The halving tree of 16 keys' lane vectors, folded in as the keys come (no more than
@@ -182,21 +202,21 @@ SPEL_TARGET_AVX512 inline __m512 exp2_nonpos16(__m512 t) {
 }
 
 // hd in J 16-lane chunks, the last one masked by `tail`
-template <int J>
+template <class E, int J>
 SPEL_TARGET_AVX512 void attend_avx512(const AttendArgs& A, Running& R) {
   const __mmask16 tail = static_cast<__mmask16>(A.hd % 16 ? (1u << (A.hd % 16)) - 1 : 0xFFFF);
   auto mask = [tail](int j) { return j == J - 1 ? tail : static_cast<__mmask16>(0xFFFF); };
-  walk(A, R, [&](int64_t b0, int64_t nb, int64_t h, const float* q, float& m_run, float* lanes, float* acc)
+  walk<E>(A, R, [&](int64_t b0, int64_t nb, int64_t h, const float* q, float& m_run, float* lanes, float* acc)
                  SPEL_TARGET_AVX512 {
     __m512 qv[J];
 #pragma GCC unroll 8
     for (int j = 0; j < J; j++) qv[j] = _mm512_maskz_loadu_ps(mask(j), q + 16 * j);
     auto key_lanes = [&](int w) SPEL_TARGET_AVX512 {   // zeros past nb: never read
       if (w >= nb) return _mm512_setzero_ps();
-      const float* k = A.key(b0 + w, h);
-      __m512 a = _mm512_mul_ps(qv[0], _mm512_maskz_loadu_ps(mask(0), k));
+      const E* k = A.key<E>(b0 + w, h);
+      __m512 a = _mm512_mul_ps(qv[0], load16(mask(0), k));
 #pragma GCC unroll 8
-      for (int j = 1; j < J; j++) a = _mm512_fmadd_ps(qv[j], _mm512_maskz_loadu_ps(mask(j), k + 16 * j), a);
+      for (int j = 1; j < J; j++) a = _mm512_fmadd_ps(qv[j], load16(mask(j), k + 16 * j), a);
       return a;
     };
     auto quad = [&](int w) SPEL_TARGET_AVX512 {
@@ -218,11 +238,11 @@ SPEL_TARGET_AVX512 void attend_avx512(const AttendArgs& A, Running& R) {
 #pragma GCC unroll 16
     for (int w = 0; w < BK; w++) {
       if (w >= nb) break;
-      const float* v = A.value(b0 + w, h);
+      const E* v = A.value<E>(b0 + w, h);
       const __m512 pw = _mm512_set1_ps(p[w]);
       __m512* x = (w & 1) ? o : e;
 #pragma GCC unroll 8
-      for (int j = 0; j < J; j++) x[j] = _mm512_fmadd_ps(pw, _mm512_maskz_loadu_ps(mask(j), v + 16 * j), x[j]);
+      for (int j = 0; j < J; j++) x[j] = _mm512_fmadd_ps(pw, load16(mask(j), v + 16 * j), x[j]);
     }
 #pragma GCC unroll 8
     for (int j = 0; j < J; j++)
@@ -262,19 +282,19 @@ SPEL_TARGET_AVX2_FMA inline float max8(__m256 v) {
   return std::max(_mm_cvtss_f32(m), _mm_cvtss_f32(_mm_shuffle_ps(m, m, 1)));
 }
 
-template <int J>
+template <class E, int J>
 SPEL_TARGET_AVX2_FMA void attend_avx2(const AttendArgs& A, Running& R) {
-  walk(A, R, [&](int64_t b0, int64_t nb, int64_t h, const float* q, float& m_run, float* lanes, float* acc)
+  walk<E>(A, R, [&](int64_t b0, int64_t nb, int64_t h, const float* q, float& m_run, float* lanes, float* acc)
                  SPEL_TARGET_AVX2_FMA {
     auto s8_of = [&](int w) SPEL_TARGET_AVX2_FMA {   // key w's lanes l + (l+8); zeros past nb
       if (w >= nb) return _mm256_setzero_ps();
-      const float* k = A.key(b0 + w, h);
-      __m256 lo = _mm256_mul_ps(_mm256_loadu_ps(q), _mm256_loadu_ps(k));
-      __m256 hi = _mm256_mul_ps(_mm256_loadu_ps(q + 8), _mm256_loadu_ps(k + 8));
+      const E* k = A.key<E>(b0 + w, h);
+      __m256 lo = _mm256_mul_ps(_mm256_loadu_ps(q), load8(k));
+      __m256 hi = _mm256_mul_ps(_mm256_loadu_ps(q + 8), load8(k + 8));
 #pragma GCC unroll 8
       for (int j = 1; j < J; j++) {
-        lo = _mm256_fmadd_ps(_mm256_loadu_ps(q + 16 * j), _mm256_loadu_ps(k + 16 * j), lo);
-        hi = _mm256_fmadd_ps(_mm256_loadu_ps(q + 16 * j + 8), _mm256_loadu_ps(k + 16 * j + 8), hi);
+        lo = _mm256_fmadd_ps(_mm256_loadu_ps(q + 16 * j), load8(k + 16 * j), lo);
+        hi = _mm256_fmadd_ps(_mm256_loadu_ps(q + 16 * j + 8), load8(k + 16 * j + 8), hi);
       }
       return _mm256_add_ps(lo, hi);
     };
@@ -304,47 +324,57 @@ SPEL_TARGET_AVX2_FMA void attend_avx2(const AttendArgs& A, Running& R) {
       __m256 e = _mm256_setzero_ps(), o = _mm256_setzero_ps();
       for (int w = 0; w < nb; w++) {
         __m256& y = (w & 1) ? o : e;
-        y = _mm256_fmadd_ps(_mm256_set1_ps(p[w]), _mm256_loadu_ps(A.value(b0 + w, h) + 8 * j), y);
+        y = _mm256_fmadd_ps(_mm256_set1_ps(p[w]), load8(A.value<E>(b0 + w, h) + 8 * j), y);
       }
       _mm256_storeu_ps(acc + 8 * j, _mm256_fmadd_ps(_mm256_loadu_ps(acc + 8 * j), al, _mm256_add_ps(e, o)));
     }
   });
 }
 
-template <int J>
+template <class E, int J>
 bool attend_simd_for(const AttendArgs& A, Running& R) {
-  if (use_avx512()) {
-    attend_avx512<J>(A, R);
+  constexpr bool half = std::is_same<E, uint16_t>::value;
+  if (use_avx512() && (!half || A.hd % 16 == 0)) {
+    attend_avx512<E, J>(A, R);
     return true;
   }
-  if (use_avx2() && HAVE_FMA && A.hd % 16 == 0) {
-    attend_avx2<J>(A, R);
+  if (use_avx2() && HAVE_FMA && A.hd % 16 == 0 && (!half || HAVE_F16C)) {
+    attend_avx2<E, J>(A, R);
     return true;
   }
   return false;
 }
 
 // hd up to 128 (8 chunks of 16); the model's 64 is 4
+template <class E>
 bool attend_simd(const AttendArgs& A, Running& R) {
   switch ((A.hd + 15) / 16) {
-    case 1: return attend_simd_for<1>(A, R);
-    case 2: return attend_simd_for<2>(A, R);
-    case 3: return attend_simd_for<3>(A, R);
-    case 4: return attend_simd_for<4>(A, R);
-    case 5: return attend_simd_for<5>(A, R);
-    case 6: return attend_simd_for<6>(A, R);
-    case 7: return attend_simd_for<7>(A, R);
-    case 8: return attend_simd_for<8>(A, R);
+    case 1: return attend_simd_for<E, 1>(A, R);
+    case 2: return attend_simd_for<E, 2>(A, R);
+    case 3: return attend_simd_for<E, 3>(A, R);
+    case 4: return attend_simd_for<E, 4>(A, R);
+    case 5: return attend_simd_for<E, 5>(A, R);
+    case 6: return attend_simd_for<E, 6>(A, R);
+    case 7: return attend_simd_for<E, 7>(A, R);
+    case 8: return attend_simd_for<E, 8>(A, R);
     default: return false;
   }
 }
 #endif
 
-void attend_keys(const AttendArgs& A, Running& R) {
+template <class E>
+void attend_keys_of(const AttendArgs& A, Running& R) {
 #if SPEL_AVX2
-  if (!attend_simd(A, R))
+  if (!attend_simd<E>(A, R))
 #endif
-    attend_ref(A, R);
+    attend_ref<E>(A, R);
+}
+
+void attend_keys(const AttendArgs& A, Running& R) {
+  if (A.half)
+    attend_keys_of<uint16_t>(A, R);
+  else
+    attend_keys_of<float>(A, R);
 }
 
 // R = R merged with the next chunk's state S (the canonical order above)

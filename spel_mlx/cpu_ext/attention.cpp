@@ -15,37 +15,47 @@
 namespace spel {
 namespace {
 
-// A [R, H, hd] array whose elements are contiguous per (row, head) as (pointer, row
-// stride, head stride), else the first `rows` rows copied contiguous into buf.
-inline const float* head_rows(const View& a, int64_t rows, int64_t H, int64_t hd, std::vector<float>& buf,
-                              int64_t& row_stride, int64_t& head_stride) {
-  if (a.s[2] == 1 || hd == 1) {
-    row_stride = a.s[0];
-    head_stride = a.s[1];
-    return a.p;
-  }
+// A cache [R, H, hd] (float32 or float16) read in place: elements contiguous per (row,
+// head).  Else its first `rows` rows widened to float32, contiguous, into buf.
+inline bool in_place(const mx::array& a, int64_t hd) { return a.strides()[2] == 1 || hd == 1; }
+
+inline const void* widened_rows(const mx::array& a, int64_t rows, int64_t H, int64_t hd, std::vector<float>& buf) {
+  const auto& st = a.strides();
+  const bool half = a.dtype() == mx::float16;
   buf.resize(rows * H * hd);
   for (int64_t r = 0; r < rows; r++)
     for (int64_t h = 0; h < H; h++)
-      for (int64_t j = 0; j < hd; j++) buf[(r * H + h) * hd + j] = a.at(r, h, j);
-  row_stride = H * hd;
-  head_stride = hd;
+      for (int64_t j = 0; j < hd; j++) {
+        const int64_t at = r * st[0] + h * st[1] + j * st[2];
+        buf[(r * H + h) * hd + j] = half ? half_to_float(a.data<uint16_t>()[at]) : a.data<float>()[at];
+      }
   return buf.data();
 }
 
 // o [M,H,hd]: query m (position pos0+m) against cache rows 0..min(pos0+m, W-1)
-// (attend_blocked.cpp); W is the cache's row count, whatever its capacity
-void attend_body(const View& Q, const View& Kc, const View& Vc, int64_t M, int64_t H, int64_t hd, int64_t W,
-                 int64_t pos0, float* O) {
+// (attend_blocked.cpp); W is the cache's row count, whatever its capacity.  K and V
+// share a dtype (the ops check).
+void attend_body(const View& Q, const mx::array& Kc, const mx::array& Vc, int64_t M, int64_t H, int64_t hd,
+                 int64_t W, int64_t pos0, float* O) {
   std::vector<float> qb(M * H * hd), kb, vb;
   for (int64_t m = 0; m < M; m++)
     for (int64_t h = 0; h < H; h++)
       for (int64_t j = 0; j < hd; j++) qb[(m * H + h) * hd + j] = Q.at(m, h, j);
   AttendArgs A{qb.data(), nullptr, nullptr, 0, 0, 0, 0, M, H, hd, pos0, W,
                static_cast<float>(std::sqrt(static_cast<double>(hd)) * 1.4426950408889634)};
-  const int64_t rows = A.visible(M - 1);
-  A.K = head_rows(Kc, rows, H, hd, kb, A.k_row, A.k_head);
-  A.V = head_rows(Vc, rows, H, hd, vb, A.v_row, A.v_head);
+  if (in_place(Kc, hd) && in_place(Vc, hd)) {
+    A.half = Kc.dtype() == mx::float16;
+    A.K = A.half ? static_cast<const void*>(Kc.data<uint16_t>()) : Kc.data<float>();
+    A.V = A.half ? static_cast<const void*>(Vc.data<uint16_t>()) : Vc.data<float>();
+    A.k_row = Kc.strides()[0], A.k_head = Kc.strides()[1];
+    A.v_row = Vc.strides()[0], A.v_head = Vc.strides()[1];
+  } else {
+    const int64_t rows = A.visible(M - 1);
+    A.K = widened_rows(Kc, rows, H, hd, kb);
+    A.V = widened_rows(Vc, rows, H, hd, vb);
+    A.k_row = A.v_row = H * hd;
+    A.k_head = A.v_head = hd;
+  }
   attend_rows(A, O);
 }
 
@@ -57,7 +67,7 @@ class SpelAttend : public CpuPrimitive {
  protected:
   Task task() const override {
     return [](const std::vector<mx::array>& in, std::vector<mx::array>& out) {
-      attend_body(View(in[0]), View(in[1]), View(in[2]), in[0].shape(0), in[0].shape(1), in[0].shape(2),
+      attend_body(View(in[0]), in[1], in[2], in[0].shape(0), in[0].shape(1), in[0].shape(2),
                   in[1].shape(0), in[3].data<int32_t>()[0], out[0].data<float>());
     };
   }
@@ -107,7 +117,7 @@ void attn_out_body(const std::vector<mx::array>& in, std::vector<mx::array>& out
   const float* x = contiguous_2d(in[0], xb);
   {
     ProfScope prof(P_IN_ATTEND);
-    attend_body(View(in[1]), View(in[2]), View(in[3]), M, H, hd, in[2].shape(0), in[4].data<int32_t>()[0],
+    attend_body(View(in[1]), in[2], in[3], M, H, hd, in[2].shape(0), in[4].data<int32_t>()[0],
                 o.data());
   }
   linear_into(o.data(), M, in[5], y.data());
@@ -132,6 +142,17 @@ class SpelAttnBlock : public ParamPrimitive {
   }
 };
 
+// K/V caches [S, H, hd]: float32, or float16 (a half-precision cache), both the same
+void check_caches(const mx::array& k, const mx::array& v, const char* op) {
+  for (const mx::array* a : {&k, &v}) {
+    const char* what = a == &k ? "k_cache" : "v_cache";
+    if (a->dtype() != mx::float32 && a->dtype() != mx::float16)
+      throw std::invalid_argument(std::string(op) + ": " + what + " must be float32 or float16");
+    if (a->ndim() != 3) throw std::invalid_argument(std::string(op) + ": " + what + " must have 3 dimensions");
+  }
+  if (k.dtype() != v.dtype()) throw std::invalid_argument(std::string(op) + ": k_cache and v_cache dtypes differ");
+}
+
 void check_pos0(const mx::array& pos0, const char* op) {
   if (pos0.dtype() != mx::int32 || pos0.size() != 1)
     throw std::invalid_argument(std::string(op) + ": pos0 must be one int32");
@@ -142,8 +163,7 @@ void check_pos0(const mx::array& pos0, const char* op) {
 mx::array attend(const mx::array& q, const mx::array& k_cache, const mx::array& v_cache,
                  const mx::array& pos0) {
   check_f32(q, "attend", "q", 3);
-  check_f32(k_cache, "attend", "k_cache", 3);
-  check_f32(v_cache, "attend", "v_cache", 3);
+  check_caches(k_cache, v_cache, "attend");
   check_pos0(pos0, "attend");
   if (k_cache.shape() != v_cache.shape() || k_cache.shape(1) != q.shape(1) || k_cache.shape(2) != q.shape(2))
     throw std::invalid_argument("attend: expected q [M, H, hd] and caches [W, H, hd]");
@@ -172,8 +192,7 @@ mx::array attn_out(const mx::array& x, const mx::array& q, const mx::array& k_ca
                    const mx::array& pos0, const mx::array& wo) {
   check_f32(x, "attn_out", "x", 2);
   check_f32(q, "attn_out", "q", 3);
-  check_f32(k_cache, "attn_out", "k_cache", 3);
-  check_f32(v_cache, "attn_out", "v_cache", 3);
+  check_caches(k_cache, v_cache, "attn_out");
   const int64_t H = q.shape(1), hd = q.shape(2);
   check_blocks(wo, "attn_out", "wo", H * hd);
   check_pos0(pos0, "attn_out");

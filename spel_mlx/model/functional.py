@@ -75,3 +75,8 @@ def softmax_visible(scores, visible, axis: int, n: int):
     if n >= POLY_SOFTMAX_MIN:
         return masked_softmax(scores, visible, axis)
     return mx.softmax(mx.where(visible, scores, -mx.inf), axis=axis)
+
+
+def as_float32(a: mx.array) -> mx.array:
+    """a widened to float32 (a half-precision KV cache: exact), a itself if it is."""
+    return a if a.dtype == mx.float32 else a.astype(mx.float32)

@@ -15,7 +15,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from .delta_rule import delta_rule_chunked, delta_rule_recurrent
-from .functional import l2_normalize, silu_mul, softmax_visible
+from .functional import as_float32, l2_normalize, silu_mul, softmax_visible
 
 # widest cache window MLXOps.attend reads head-major for M > 1 (docs/model.md)
 ATTEND_HEAD_MAJOR_MAX = 1024
@@ -104,7 +104,8 @@ class MLXOps:
         q [M,H,hd] (rotated unit vectors); k_cache/v_cache [W,H,hd], the first W
         cache rows (W >= pos0+M) with this batch's k/v already written at pos0...
         Query j sees positions <= pos0+j.  pos0: int or int32 scalar array.  Score
-        scale sqrt(hd) (SPEC 2).  Returns [M,H,hd]."""
+        scale sqrt(hd) (SPEC 2).  Returns [M,H,hd].  A float16 cache is widened first."""
+        k_cache, v_cache = as_float32(k_cache), as_float32(v_cache)
         W, H, hd = k_cache.shape
         if M > 1 and W <= ATTEND_HEAD_MAJOR_MAX:
             return self._attend_head_major(q, k_cache, v_cache, pos0, M)

@@ -55,6 +55,8 @@ class KVCache:
         self.keys, self.values, self.pos, self.window = keys, values, pos, window
 
     def write(self, k, v) -> None:
+        if self.keys.dtype != k.dtype:     # a half-precision cache: rounded to nearest even
+            k, v = k.astype(self.keys.dtype), v.astype(self.values.dtype)
         self.keys = mx.slice_update(self.keys, k, self.pos, axes=(0,))
         self.values = mx.slice_update(self.values, v, self.pos, axes=(0,))
 
@@ -110,7 +112,8 @@ def run_pass(model, toks, state, dispatch: bool = True):
     M = inputs.shape[0]
     base = state.pos + state.pending
     win = window(base + M, model.cfg.max_seq) if model.ops.windowed else None
-    key = (state.stack, M, win, str(mx.default_device()))   # device: row blocks are CPU-only
+    # device: row blocks are CPU-only
+    key = (state.stack, M, win, str(mx.default_device()), state.kv_dtype)
     fn = model._compiled.get(key)
     if fn is None:
         fn = model._compiled[key] = make_pass(model, state.stack, M, win)

@@ -41,6 +41,8 @@ class SpelModel(nn.Module):
         object.__setattr__(self, "_compiled", {})
         # passes built so far: a round that built one paid for tracing it (decoding.loop)
         object.__setattr__(self, "passes_built", 0)
+        # the K/V cache dtype of the states new_state makes ("float32": SPEC's exact model)
+        object.__setattr__(self, "kv_cache", "float32")
 
     # --- weights ------------------------------------------------------------------
     @classmethod
@@ -143,7 +145,7 @@ class SpelModel(nn.Module):
     def new_state(self, stack: str = "target", ring: int | None = None) -> DecodeState:
         self.stack_layers(stack)
         ring = self.cfg.spec_k + 1 if ring is None else ring
-        return DecodeState(self.cfg, stack, ring)
+        return DecodeState(self.cfg, stack, ring, kv=self.kv_cache)
 
     def forward(self, tokens, state: DecodeState, strict: bool = False, stack: str | None = None,
                 capture: dict | None = None) -> mx.array:

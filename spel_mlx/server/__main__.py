@@ -31,6 +31,8 @@ def build_parser() -> argparse.ArgumentParser:
                          "the C draft is not built)")
     ap.add_argument("--spec-k", type=int, default=None, help="default proposals per round, 1..16")
     ap.add_argument("--draft-threads", type=int, default=None, help="C draft worker threads 1..6")
+    ap.add_argument("--kv-cache", choices=("float32", "float16"), default="float32",
+                    help="the target's K/V cache dtype (float16: faster long contexts, k and v rounded once)")
     ap.add_argument("--no-warmup", action="store_true", help="skip the short warm-up generation at start")
     ap.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
     return ap
@@ -58,7 +60,7 @@ def main(argv=None) -> int:
         print(f"error: --queue-size {args.queue_size}: must be in 1..4096", file=sys.stderr)
         return 2
     try:
-        loaded, tokenizer = load(args.model, tokenizer=args.tokenizer)
+        loaded, tokenizer = load(args.model, tokenizer=args.tokenizer, kv_cache=args.kv_cache)
     except NoCheckpoint as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
