@@ -10,7 +10,8 @@ shared machine hit every context alike):
   context, and where a pass's time goes (the fused CPU primitives' profile: products,
   attention, delta rule, other bodies, and the rest = dispatch and Python overhead);
 * AR decode tok/s at each context through the decoding loop (``--mode ar``), its ratio
-  to the shortest context, and beside it the same with the attention helper thread off;
+  to the shortest context, and beside it the same with the attention helper thread off
+  and with a float16 K/V cache (``--kv-cache float16``; its passes of M = 1 and 5 too);
 * prefill throughput of ``ar`` and ``spec`` (C draft, drafting ahead: its prompt prefill
   runs beside the target's) at a few prompt lengths, beside mlx-lm's prefill of a GDN
   hybrid of the same shape (qwen3_next, bench/peers.py), chunks of 2048 as mlx-lm does;
@@ -79,21 +80,37 @@ def split(wall: float, prof: dict) -> dict:
     return out
 
 
+HALF_MS = (1, 5)   # the float16 cache's passes: v(K+1=5), the figure of issue 14's goal
+
+
+def with_kv_cache(model, kv: str, make):
+    """make() with the model's new states holding ``kv`` caches."""
+    old = model.kv_cache
+    model.kv_cache = kv
+    try:
+        return make()
+    finally:
+        model.kv_cache = old
+
+
 def pass_rows(model, regime, contexts, Ms, repeats) -> list:
     import mlx.core as mx
     from spel_mlx.model.cpu_ops import _spel_cpu
     cfg, name = regime["cfg"], regime["name"]
     states, toks = {}, {}
+    shapes = [(kv, M) for kv in ("float32", "float16") for M in Ms if kv == "float32" or M in HALF_MS]
     for ctx in contexts:
-        st = model.new_state("target", ring=max(Ms) + 1)
-        model.prefill(context_prompt(regime, ctx), st)
-        states[ctx] = st
+        for kv in ("float32", "float16"):
+            st = with_kv_cache(model, kv, lambda: model.new_state("target", ring=max(Ms) + 1))
+            model.prefill(context_prompt(regime, ctx), st)
+            states[(ctx, kv)] = st
     for M in Ms:
         toks[M] = [(7 * j + 3) % cfg.vocab for j in range(M)]
 
-    def call(ctx, M):
+    def call(ctx, shape):
         # docs/model.md, "Passes in bursts"
-        st = states[ctx]
+        kv, M = shape
+        st = states[(ctx, kv)]
         mx.eval(model.forward(toks[M], st))
         st.discard()
         out = []
@@ -102,22 +119,23 @@ def pass_rows(model, regime, contexts, Ms, repeats) -> list:
             st.discard()
         return out
     for ctx in contexts:                 # compile and warm every shape
-        for M in Ms:
-            call(ctx, M)
-    got = {(c, M): [] for c in contexts for M in Ms}
+        for shape in shapes:
+            call(ctx, shape)
+    got = {(c, shape): [] for c in contexts for shape in shapes}
     for _ in range(repeats):
         for ctx in contexts:
-            for M in Ms:
-                got[(ctx, M)].extend(call(ctx, M))
+            for shape in shapes:
+                got[(ctx, shape)].extend(call(ctx, shape))
     rows = []
     for ctx in contexts:
-        ar = median_sample(got[(ctx, 1)])[0]
-        for M in Ms:
-            samples = got[(ctx, M)]
+        for kv, M in shapes:
+            ar = median_sample(got[(ctx, (kv, 1))])[0]
+            samples = got[(ctx, (kv, M))]
             wall, _, prof = median_sample(samples)    # the split of that one call adds up to its wall
             metrics = {"ms": wall * 1e3, "cpu_ms": median([s[1] for s in samples]) * 1e3, "v": wall / ar,
                        "context": ctx, "M": M, **{f"split {k}": v for k, v in split(wall, prof).items()}}
-            rows.append(make_row(SECTION, f"target pass, context {ctx}", regime=name, placement="target=mlx-cpu",
+            label = "target pass" if kv == "float32" else "target pass, float16 K/V"
+            rows.append(make_row(SECTION, f"{label}, context {ctx}", regime=name, placement="target=mlx-cpu",
                                  mode="fast", K=M - 1, primary="v", metrics=metrics,
                                  samples=[s[0] * 1e3 for s in samples], context=ctx,
                                  note="" if _spel_cpu is not None else "no profile: MLX ops"))
@@ -126,33 +144,41 @@ def pass_rows(model, regime, contexts, Ms, repeats) -> list:
 
 def ar_decode_rows(model, regime, contexts, gen, repeats) -> list:
     """AR decode tok/s by context; each call beside one with the attention helper thread
-    switched off (the same text, interleaved), whose ratio is the helper's gain."""
+    switched off and one with a float16 K/V cache (the same text, interleaved): their
+    ratios are the helper's gain and the half cache's."""
     from spel_mlx.decoding.loop import SpeculativeDecoder
     from spel_mlx.model.cpu_ops import _spel_cpu
-    dec = SpeculativeDecoder(model, None, mode="ar")
-    rates = {c: [] for c in contexts}
-    alone = {c: [] for c in contexts}
+    decs = {"float32": SpeculativeDecoder(model, None, mode="ar"),
+            "float16": with_kv_cache(model, "float16", lambda: SpeculativeDecoder(model, None, mode="ar"))}
+    variants = ["float32", "float16"] + (["no helper"] if _spel_cpu is not None else [])
+    rates = {(v, c): [] for v in variants for c in contexts}
     for ctx in contexts:                 # warm
-        dec.generate(context_prompt(regime, ctx), 4)
+        for dec in decs.values():
+            dec.generate(context_prompt(regime, ctx), 4)
     for rep in range(repeats):
         for ctx in contexts:
-            for helper in ((True, False) if rep % 2 == 0 else (False, True)):
-                if _spel_cpu is None and not helper:
-                    continue
-                old = _spel_cpu.set_helper(helper) if _spel_cpu is not None else None
+            for v in (variants if rep % 2 == 0 else variants[::-1]):
+                dec = decs["float16" if v == "float16" else "float32"]
+                old = _spel_cpu.set_helper(v != "no helper") if _spel_cpu is not None else None
                 try:
                     dec.generate(context_prompt(regime, ctx), gen)
                 finally:
                     if _spel_cpu is not None:
                         _spel_cpu.set_helper(old)
-                (rates if helper else alone)[ctx].append(dec.stats.tok_s)
-    base = median(rates[contexts[0]])
+                rates[(v, ctx)].append(dec.stats.tok_s)
+    med = {key: median(r) if r else None for key, r in rates.items()}
+
+    def ratio(a, b):
+        return a / b if a and b else None
     return [make_row(SECTION, f"AR decode, context {ctx}", regime=regime["name"], placement="target=mlx-cpu", mode="ar",
-                     primary="tok_s", context=ctx, samples=rates[ctx],
-                     metrics={"tok_s": median(rates[ctx]), "context": ctx,
-                              "vs_shortest": median(rates[ctx]) / base if base else None,
-                              "tok_s_no_helper": median(alone[ctx]) if alone[ctx] else None,
-                              "helper_gain": median(rates[ctx]) / median(alone[ctx]) if alone[ctx] else None})
+                     primary="tok_s", context=ctx, samples=rates[("float32", ctx)],
+                     metrics={"tok_s": med[("float32", ctx)], "context": ctx,
+                              "vs_shortest": ratio(med[("float32", ctx)], med[("float32", contexts[0])]),
+                              "tok_s_no_helper": med.get(("no helper", ctx)),
+                              "helper_gain": ratio(med[("float32", ctx)], med.get(("no helper", ctx))),
+                              "tok_s_half": med[("float16", ctx)],
+                              "half_vs_shortest": ratio(med[("float16", ctx)], med[("float16", contexts[0])]),
+                              "half_gain": ratio(med[("float16", ctx)], med[("float32", ctx)])})
             for ctx in contexts]
 
 

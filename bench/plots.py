@@ -139,13 +139,17 @@ def context_plot(results, img_dir, plt) -> str:
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
     for g in results["params"]["regimes"]:
         rows = [r for r in select_rows(results, "b2ctx", g) if r["status"] == common.OK]
-        passes = [r for r in rows if r["name"].startswith("target pass")]
-        for M in sorted({int(metric(r, "M")) for r in passes} - {1}):
-            pts = sorted((metric(r, "context"), metric(r, "v")) for r in passes if metric(r, "M") == M)
-            axes[0].plot([p[0] for p in pts], [p[1] for p in pts], "-o", label=f"{g} M={M}")
-        ar = sorted((metric(r, "context"), metric(r, "vs_shortest")) for r in rows if r["name"].startswith("AR decode"))
-        if ar:
-            axes[1].plot([p[0] for p in ar], [p[1] for p in ar], "-o", label=g)
+        for kv, style in (("", "-o"), ("float16", "--^")):
+            passes = [r for r in rows if r["name"].startswith("target pass") and (kv in r["name"]) == bool(kv)]
+            for M in sorted({int(metric(r, "M")) for r in passes} - {1}):
+                pts = sorted((metric(r, "context"), metric(r, "v")) for r in passes if metric(r, "M") == M)
+                axes[0].plot([p[0] for p in pts], [p[1] for p in pts], style,
+                             label=f"{g} M={M}" + (f", {kv} K/V" if kv else ""))
+        for key, style, label in (("vs_shortest", "-o", g), ("half_vs_shortest", "--^", f"{g}, float16 K/V")):
+            ar = sorted((metric(r, "context"), metric(r, key)) for r in rows
+                        if r["name"].startswith("AR decode") and metric(r, key) is not None)
+            if ar:
+                axes[1].plot([p[0] for p in ar], [p[1] for p in ar], style, label=label)
     axes[0].plot([64, 2048], [1.25, 1.35], "k_", ms=20, label="goal for M=5 (at most)")
     axes[0].set_xlabel("context (tokens)")
     axes[0].set_ylabel("v = pass(M) / pass(1)")

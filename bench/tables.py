@@ -281,6 +281,8 @@ def b2ctx_section(results) -> str:
 # issue 14's goals: (label, the figure, the bound, "<=" or ">=")
 CONTEXT_GOALS = (("v(K+1=5) at 64 tokens", "v5@64", 1.25, "<="), ("v(K+1=5) at 2k", "v5@2048", 1.35, "<="),
                  ("AR tok/s at 2k / at 64", "ar@2048", 0.85, ">="), ("AR tok/s at 4k / at 64", "ar@4000", 0.75, ">="),
+                 ("with a float16 K/V cache: v(K+1=5) at 2k", "half v5@2048", 1.35, "<="),
+                 ("AR at 2k / at 64", "half ar@2048", 0.85, ">="), ("AR at 4k / at 64", "half ar@4000", 0.75, ">="),
                  ("ngram / AR on a repetitive document", "ngram", 3.0, ">="),
                  ("spec prefill / ar prefill (each length)", "prefill", 1.05, "<="))
 
@@ -290,7 +292,9 @@ def _b2ctx_regime(g, rows) -> list:
     parts = [f"**{g}**", ""]
     if not ok:
         return parts + [f"- {_why(rows[0])}", ""]
-    passes = [r for r in ok if r["name"].startswith("target pass")]
+    passes = [r for r in ok if r["name"].startswith("target pass") and "float16" not in r["name"]]
+    half = {(int(metric(r, "context")), int(metric(r, "M"))): r
+            for r in ok if r["name"].startswith("target pass, float16")}
     ctxs = sorted({int(metric(r, "context")) for r in passes})
     Ms = sorted({int(metric(r, "M")) for r in passes})
     at = {(int(metric(r, "context")), int(metric(r, "M"))): r for r in passes}
@@ -300,6 +304,13 @@ def _b2ctx_regime(g, rows) -> list:
             for c in ctxs]
     parts.append(_table(["context", "AR pass ms"] + [f"v(M={M})" for M in Ms if M > 1] +
                         ["AR decode tok/s", "AR / shortest", "helper on / off"], body))
+    if half:
+        body = [[c, _cell(half.get((c, 1)), "ms"), _cell(half.get((c, 5)), "v"), _cell(ar.get(c), "tok_s_half"),
+                 _cell(ar.get(c), "half_vs_shortest"), _cell(ar.get(c), "half_gain")] for c in ctxs]
+        parts += ["", "With a float16 K/V cache (`--kv-cache float16`: k and v rounded once as written, "
+                  "half the bytes a token reads; the same calls interleaved):", ""]
+        parts.append(_table(["context", "AR pass ms", "v(M=5)", "AR decode tok/s", "AR / shortest",
+                             "float16 / float32 tok/s"], body))
     parts += ["", "Where a pass goes (ms, medians): the fused primitives' bodies by part, and the rest of "
               "the wall time (graph dispatch, Python, waiting).", ""]
     names = ["products", "attention", "delta rule", "other bodies", "overhead"]
@@ -343,10 +354,14 @@ def context_figures(rows) -> dict:
     out = {}
     for r in _ok(rows):
         ctx = r.get("context")
-        if r["name"].startswith("target pass") and metric(r, "M") == 5 and ctx in (64, 2048):
+        if r["name"].startswith("target pass, float16") and metric(r, "M") == 5 and ctx == 2048:
+            out["half v5@2048"] = metric(r, "v")
+        elif r["name"].startswith("target pass") and metric(r, "M") == 5 and ctx in (64, 2048):
             out[f"v5@{ctx}"] = metric(r, "v")
         elif r["name"].startswith("AR decode") and ctx in (2048, 4000):
             out[f"ar@{ctx}"] = metric(r, "vs_shortest")
+            if metric(r, "half_vs_shortest") is not None:
+                out[f"half ar@{ctx}"] = metric(r, "half_vs_shortest")
         elif r["name"].startswith("ngram"):
             out["ngram"] = metric(r, "speedup")
         elif r["name"].startswith("prefill") and r["mode"] == "spec":

@@ -77,9 +77,15 @@ def test_smoke_b2_by_context(smoke):
     and a split that adds up to the wall time; AR decode, prefill and ngram rows."""
     out, res, md, _ = smoke
     rows = [r for r in res["rows"] if r["section"] == "b2ctx"]
-    passes = {(r["context"], r["metrics"]["M"]["median"]): r for r in rows if r["name"].startswith("target pass")}
+    passes = {(r["context"], r["metrics"]["M"]["median"]): r for r in rows if r["name"].startswith("target pass, c")}
+    half = {(r["context"], r["metrics"]["M"]["median"]): r for r in rows
+            if r["name"].startswith("target pass, float16")}
     proto = res["params"]["per_regime"]["tiny"]
     assert set(passes) == {(c, M) for c in proto["contexts"] for M in proto["ctx_M"]}
+    assert set(half) == {(c, M) for c in proto["contexts"] for M in proto["ctx_M"] if M in (1, 5)}
+    for (ctx, M), r in half.items():
+        assert r["metrics"]["v"]["median"] == pytest.approx(
+            r["metrics"]["ms"]["median"] / half[(ctx, 1)]["metrics"]["ms"]["median"], rel=1e-9)
     for (ctx, M), r in passes.items():
         m = {k: v["median"] for k, v in r["metrics"].items()}
         assert r["status"] == common.OK and r["process_runs"] == 1
@@ -88,6 +94,9 @@ def test_smoke_b2_by_context(smoke):
         assert min(parts) >= 0 and sum(parts) == pytest.approx(m["ms"], rel=1e-6) and parts[0] > 0
     ar = [r for r in rows if r["name"].startswith("AR decode")]
     assert len(ar) == len(proto["contexts"]) and all(r["metrics"]["tok_s"]["median"] > 0 for r in ar)
+    for r in ar:
+        m = {k: v["median"] for k, v in r["metrics"].items()}
+        assert m["tok_s_half"] > 0 and m["half_gain"] == pytest.approx(m["tok_s_half"] / m["tok_s"], rel=1e-9)
     pre = {(r["K"], r["mode"]) for r in rows if r["name"].startswith("prefill")}
     assert pre == {(n, m) for n in proto["prefill_lengths"] for m in ("ar", "spec", "mlx-lm")}
     timed = {(r["K"], r["mode"]): r for r in rows if r["name"].startswith("prefill") and r["mode"] != "mlx-lm"}
