@@ -113,3 +113,28 @@ def test_the_governors_ar_rounds_look_ahead_with_the_same_tokens(monkeypatch):
             assert stretches and min(stretches) >= 2 and st.ar_rounds >= sum(stretches) > st.spec_rounds
         else:
             assert stretches == []
+
+
+@pytest.mark.parametrize("lookahead", [True, False])
+def test_the_first_drafting_round_after_ar_rounds_is_not_timed(monkeypatch, lookahead):
+    """Its proposal starts afresh after a stretch of single-row passes (a one-off cost of
+    the probe): the governor counts its acceptance, not its time; every other drafting
+    round is timed."""
+    from test_speculative import ToyModel
+    from spel_mlx.decoding.governor import CostGovernor
+    from spel_mlx.decoding.mlx_proposer import MLXProposer
+    seen = []
+    plain = CostGovernor.round
+
+    def spy(self, accepted, proposed, seconds, timed=True):
+        seen.append((proposed > 0, timed))
+        return plain(self, accepted, proposed, seconds, timed)
+    monkeypatch.setattr(CostGovernor, "round", spy)
+    toy = ToyModel(V=12, max_seq=400, draft_noise=40.0)
+    dec = SpeculativeDecoder(toy, MLXProposer(toy, "draft", ring=5), "spec", k=4)
+    dec.lookahead = lookahead
+    dec.generate([3, 1, 4, 1, 5], 300)
+    drafting = [(prev[0], now[1]) for prev, now in zip(seen, seen[1:]) if now[0]]
+    resumed = [timed for after_drafting, timed in drafting if not after_drafting]
+    assert dec.stats.governor_resumes >= 1 and resumed and not any(resumed)
+    assert all(timed for after_drafting, timed in drafting if after_drafting)

@@ -191,10 +191,11 @@ class SpeculativeDecoder:
                     return "stop_token"
                 continue
             proposal, qs = [], None
+            resumed = False
             if k > 0 and (gov is None or gov.drafting):
                 if behind:      # the catch-up is the probe's cost, not the round's
                     t_round += self._catch_up(history)
-                    behind = False
+                    behind, resumed = False, True
                 proposal, qs = self._propose(history, pending, k, seed)
             else:
                 behind = behind or k > 0
@@ -203,9 +204,11 @@ class SpeculativeDecoder:
             history.extend(([pending] + proposal)[:n + 1])
             if gov is not None:
                 # a round that built a pass shape (a longer n-gram proposal, a new
-                # attention window) paid for tracing it: its time says nothing of the mode
+                # attention window) paid for tracing it, and the first drafting round
+                # after AR rounds proposes afresh after a stretch of single-row passes:
+                # their times say nothing of the mode (docs/decoding.md, "Cost-model governor")
                 gov.round(n, len(proposal), time.perf_counter() - t_round,
-                          timed=self._passes_built() == built)
+                          timed=self._passes_built() == built and not resumed)
             emitted, stop = self._emitted(proposal[:n] + [correction], stop_set, max_tokens - len(out))
             out.extend(emitted)
             st.tokens = len(out)
