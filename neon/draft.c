@@ -6,6 +6,7 @@
 #if defined(__linux__) && !defined(_GNU_SOURCE)
 #define _GNU_SOURCE   /* SCHED_IDLE */
 #endif
+#include <errno.h>
 #include <math.h>
 #include <pthread.h>
 #include <sched.h>
@@ -14,6 +15,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 #include "spel_internal.h"
 
@@ -419,11 +421,11 @@ void spel_draft_free(spel_draft *d) {
     free(d);
 }
 
-static int wait_ahead(spel_draft *d, int32_t *out_tokens);
+static int wait_ahead(spel_draft *d, int32_t *out_tokens, int64_t timeout_us);
 
 static int reset(spel_draft *d) {
     const spel_draft_config *c = &d->cfg;
-    if (d->ahead.busy) wait_ahead(d, NULL);   /* finish a running proposal first */
+    if (d->ahead.busy) wait_ahead(d, NULL, -1);   /* finish a running proposal first */
     d->read = 0;
     __atomic_store_n(&d->pos, 0, __ATOMIC_RELAXED);
     d->last_m = 0;
@@ -975,11 +977,29 @@ int spel_draft_prefill_async(spel_draft *d, const int32_t *tokens, int64_t n) {
     GUARDED(d, prefill_async(d, tokens, n));
 }
 
-static int wait_ahead(spel_draft *d, int32_t *out_tokens) {
+/* timeout_us < 0: as long as it takes */
+static int wait_ahead(spel_draft *d, int32_t *out_tokens, int64_t timeout_us) {
     if (!d->ahead.busy) return fail(d, "wait: no asynchronous proposal was started");
     pthread_mutex_lock(&d->ahead.mu);
     if (!d->ahead.ready) ahead_priority(d->ahead.th, 0);   /* now on the critical path */
-    while (!d->ahead.ready) pthread_cond_wait(&d->ahead.cv, &d->ahead.mu);
+    if (timeout_us < 0) {
+        while (!d->ahead.ready) pthread_cond_wait(&d->ahead.cv, &d->ahead.mu);
+    } else {
+        struct timespec until;   /* the condition variable's clock: CLOCK_REALTIME */
+        clock_gettime(CLOCK_REALTIME, &until);
+        until.tv_sec += (time_t)(timeout_us / 1000000);
+        until.tv_nsec += (long)(timeout_us % 1000000) * 1000;
+        if (until.tv_nsec >= 1000000000L) {
+            until.tv_sec++;
+            until.tv_nsec -= 1000000000L;
+        }
+        while (!d->ahead.ready)
+            if (pthread_cond_timedwait(&d->ahead.cv, &d->ahead.mu, &until) == ETIMEDOUT) break;
+        if (!d->ahead.ready) {
+            pthread_mutex_unlock(&d->ahead.mu);
+            return SPEL_TIMEOUT;
+        }
+    }
     d->ahead.busy = 0;
     __atomic_store_n(&d->ahead.cancel, 0, __ATOMIC_RELAXED);
     int rc = d->ahead.rc;
@@ -989,7 +1009,12 @@ static int wait_ahead(spel_draft *d, int32_t *out_tokens) {
     return rc;
 }
 
-int spel_draft_wait(spel_draft *d, int32_t *out_tokens) { GUARDED(d, wait_ahead(d, out_tokens)); }
+int spel_draft_wait(spel_draft *d, int32_t *out_tokens) { GUARDED(d, wait_ahead(d, out_tokens, -1)); }
+
+int spel_draft_wait_for(spel_draft *d, int32_t *out_tokens, int64_t timeout_us) {
+    if (timeout_us < 0) return fail(d, "wait_for: negative timeout %lld us", (long long)timeout_us);
+    GUARDED(d, wait_ahead(d, out_tokens, timeout_us));
+}
 
 /* --- sampled proposals (the sampler lives in sampling.c) ----------------------- */
 static int set_sampling(spel_draft *d, const spel_sampling *s, int want_q) {

@@ -98,6 +98,10 @@ int spel_draft_propose_at_async(spel_draft *d, int32_t pending, int k, int start
  * spel_draft_wait (out_tokens unused) gives its rc. */
 int spel_draft_prefill_async(spel_draft *d, const int32_t *tokens, int64_t n);
 int spel_draft_wait(spel_draft *d, int32_t *out_tokens);
+/* spel_draft_wait for at most timeout_us microseconds: SPEL_TIMEOUT when the request is
+ * still running (it stays out: wait again later) */
+enum { SPEL_TIMEOUT = -8 };
+int spel_draft_wait_for(spel_draft *d, int32_t *out_tokens, int64_t timeout_us);
 /* stop a running asynchronous proposal after its current forward; its wait then
  * returns SPEL_CANCELLED (if it had not finished) and the batch before its offset stays */
 enum { SPEL_CANCELLED = -7 };

@@ -179,6 +179,33 @@ class DecodeState:
         self.pos += n
         self.pending = 0
 
+    def commit_keep(self, n: int) -> None:
+        """Accept the first n pending tokens and keep the ones written after them pending
+        (a pass built ahead of its round's result: ``mark`` / ``back_to``)."""
+        if not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= self.pending:
+            raise StateError(f"commit_keep({n!r}): must be in 1..{self.pending} (tokens pending)")
+        self.read = (self.read + n) % self.ring
+        self.pos += n
+        self.pending -= n
+
+    def mark(self) -> tuple:
+        """The KV cache arrays and ring slots now: ``forget`` puts them back when a pass
+        built after this is dropped without running, so that nothing holds that pass's
+        graph (which holds the caches it reads: MLX then could not update them in place)."""
+        return (dict(self.k_cache), dict(self.v_cache), {i: list(s) for i, s in self.ring_S.items()},
+                {i: list(t) for i, t in self.ring_tail.items()})
+
+    def forget(self, m: int, mark: tuple | None = None) -> None:
+        """Drop the last m pending tokens; with ``mark``, what they were built on."""
+        if not isinstance(m, int) or not 0 <= m <= self.pending:
+            raise StateError(f"forget({m!r}): must be in 0..{self.pending} (tokens pending)")
+        self.pending -= m
+        if mark is not None:
+            k_cache, v_cache, ring_S, ring_tail = mark
+            self.k_cache, self.v_cache = dict(k_cache), dict(v_cache)
+            self.ring_S = {i: list(s) for i, s in ring_S.items()}
+            self.ring_tail = {i: list(t) for i, t in ring_tail.items()}
+
     def discard(self) -> None:
         """Drop all pending tokens (commit nothing)."""
         if self.pending >= self.ring:

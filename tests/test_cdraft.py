@@ -313,6 +313,28 @@ def test_async_prefill_of_several_batches_equals_steps(default_weights):
         assert d.propose(9, 4) == ref.propose(9, 4)
 
 
+def test_timed_wait_leaves_a_running_request_out(default_weights):
+    """wait(timeout) on a request still running raises TimeoutError and leaves it out:
+    a later wait gives its result, the state of an untimed wait."""
+    toks = golden_tokens(DEFAULT, 250, seed=6)
+    with draft.CDraft(DEFAULT, default_weights, ring=5) as d, draft.CDraft(DEFAULT, default_weights, ring=5) as ref:
+        d.prefill_async(toks)
+        with pytest.raises(TimeoutError, match="still running"):
+            d.wait(timeout=0.0002)          # a 250-token prefill takes far longer
+        with pytest.raises(ValueError, match="wait for it first"):
+            d.forward([1])
+        assert d.wait(timeout=30.0) == [] and d.pos == 250
+        with pytest.raises(ValueError, match="no asynchronous proposal"):
+            d.wait(timeout=1.0)
+        ref.prefill_async(toks)
+        ref.wait()
+        assert d.propose(9, 4) == ref.propose(9, 4)
+        d.commit(2)
+        ref.commit(2)
+        d.propose_at_async(5, 3, 0, True)
+        assert d.wait(timeout=30.0) == ref.propose_at(5, 3, 0, guess=True)
+
+
 def test_reset_reproduces(small_weights):
     toks = golden_tokens(SMALL, 6, seed=9)
     with draft.CDraft(SMALL, small_weights) as d:

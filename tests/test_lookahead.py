@@ -138,3 +138,86 @@ def test_the_first_drafting_round_after_ar_rounds_is_not_timed(monkeypatch, look
     resumed = [timed for after_drafting, timed in drafting if not after_drafting]
     assert dec.stats.governor_resumes >= 1 and resumed and not any(resumed)
     assert all(timed for after_drafting, timed in drafting if after_drafting)
+
+
+# --- greedy `spec`: the next verification built from the drafted-ahead continuation ----
+
+@pytest.fixture(scope="module")
+def shipped():
+    from spel_mlx.api import load
+    loaded, tok = load()
+    yield loaded, tok
+    loaded.close()
+
+
+TEXTS = ["It is a truth universally acknowledged, that", "Elizabeth was", "The house stood",
+         "She said that she had never"]
+
+
+def test_greedy_spec_builds_its_next_verification_ahead(shipped, monkeypatch):
+    """With the continuation always awaited (a slow machine may find it late and build
+    nothing): every call's tokens are `ar`'s, with and without stop tokens, for the C
+    draft and `auto`; built passes are used, dropped before they ran (a rejection) and
+    after (the call's end, auto's n-gram taking over), and nothing stays pending."""
+    from spel_mlx.decoding import make_proposer
+    from spel_mlx.decoding.target import TargetRunner
+    loaded, tok = shipped
+    model = loaded.model
+    monkeypatch.setattr(SpeculativeDecoder, "_peek_timeout", lambda self, started: 10.0)
+    dropped = []
+    plain = TargetRunner.drop_built
+
+    def spy(self, built):
+        dropped.append(built.mark is None)       # True: it had started
+        return plain(self, built)
+    monkeypatch.setattr(TargetRunner, "drop_built", spy)
+    ar = SpeculativeDecoder(model, None, "ar")
+    used = 0
+    for kind in ("c", "auto"):
+        decs = {}
+        for lookahead in (True, False):
+            decs[lookahead] = SpeculativeDecoder(
+                model, make_proposer(kind, model, weights=loaded.weights, k=4, threads=1, ahead=True), "spec")
+            decs[lookahead].lookahead = lookahead
+        for text in TEXTS:
+            p = tok.encode(text)
+            want = ar.generate(p, 60)
+            stop = {want[25]}
+            want_stop = ar.generate(p, 60, stop_tokens=stop)
+            for lookahead, dec in decs.items():
+                assert dec.generate(p, 60) == want, (kind, text, lookahead)
+                assert dec.target.state.pending == 0 and dec.target.pos == dec.target.state.pos
+                used += dec.stats.extra.get("built_ahead", 0) if lookahead else 0
+                assert lookahead or "built_ahead" not in dec.stats.extra
+                assert dec.generate(p, 60, stop_tokens=stop) == want_stop
+        for dec in decs.values():
+            dec.close()
+    assert used > 20 and True in dropped and False in dropped, (used, dropped.count(True), dropped.count(False))
+
+
+def test_greedy_spec_building_ahead_keeps_the_caches_in_place(shipped, monkeypatch):
+    """A built pass starts only after the verification before it has finished and holds
+    nothing else of its caches, so MLX still updates them in place: the peak memory of a
+    call grows by less than one cache copy (4 MB at 4,096 rows) over the same call
+    verifying one round at a time."""
+    from spel_mlx.decoding import make_proposer
+    loaded, tok = shipped
+    model = loaded.model
+    monkeypatch.setattr(SpeculativeDecoder, "_peek_timeout", lambda self, started: 10.0)
+    from spel_mlx.decoding import GovernorConfig
+    dec = SpeculativeDecoder(model, make_proposer("c", model, weights=loaded.weights, k=4, threads=1, ahead=True),
+                             "spec", governor=GovernorConfig(policy="off"))
+    p = tok.encode(TEXTS[0])
+    dec.generate(p, 80)
+    dec.target.state.reserve(model.cfg.max_seq)       # kept by the next calls' reset
+    cache = model.cfg.max_seq * model.cfg.n_heads * model.cfg.head_dim * 4
+    peaks = {}
+    for lookahead in (False, True):
+        dec.lookahead = lookahead
+        mx.reset_peak_memory()
+        base = mx.get_active_memory()
+        dec.generate(p, 80)
+        peaks[lookahead] = mx.get_peak_memory() - base
+    assert dec.stats.extra.get("built_ahead", 0) > 5
+    assert peaks[True] < peaks[False] + cache / 2, (peaks, cache)
+    dec.close()

@@ -213,3 +213,36 @@ def test_a_decoder_keeps_its_caches_between_calls_and_decodes_as_a_fresh_one():
         got = used.generate(prompt, 30)
         assert used.target.state is state and state.kv_capacity == 256
         assert got == SpeculativeDecoder(m, None, "ar", params=params).generate(prompt, 30)
+
+
+def test_a_pass_built_ahead_commits_kept_or_is_forgotten(model):
+    """Two batches in flight (the second built during the first): commit_keep accepts
+    the first and leaves the second pending, as one batch after a commit would; a
+    forgotten second batch (marked first) leaves the state as if it was never built."""
+    a, b = [int(t) for t in toks(3, 1)], [int(t) for t in toks(4, 2)]
+    ref = model.new_state("target", ring=8)
+    model.prefill(toks(5, 3), ref)
+    model.forward(a, ref)
+    ref.commit(3)
+    want = np.array(model.forward(b, ref))
+    st = model.new_state("target", ring=8)
+    model.prefill(toks(5, 3), st)
+    model.forward(a, st)
+    got = model.rows_lazy(b, st)
+    st.commit_keep(3)
+    assert (st.pos, st.pending) == (8, 4) and np.array_equal(np.array(got), want)
+    st.commit(4)
+    with pytest.raises(StateError, match="commit_keep"):
+        st.commit_keep(1)
+    # forgotten: the next batch sees the first batch's state only
+    st2 = model.new_state("target", ring=8)
+    model.prefill(toks(5, 3), st2)
+    model.forward(a, st2)
+    mark = st2.mark()
+    model.rows_lazy([1, 2, 3, 4], st2)          # never run
+    st2.forget(4, mark)
+    st2.commit(3)
+    assert (st2.pos, st2.pending) == (8, 0)
+    assert np.array_equal(np.array(model.forward(b, st2)), want)
+    with pytest.raises(StateError, match="forget"):
+        st2.forget(5)

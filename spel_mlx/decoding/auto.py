@@ -72,6 +72,15 @@ class AutoProposer(Proposer):
         self._proposed = len(toks)
         return toks, qs
 
+    def peek(self, proposal, timeout: float):
+        # the next round is the fallback's again unless the n-gram lookup will match
+        if self._pending_commit is not self.fallback:
+            return None
+        nxt = self.fallback.peek(proposal, timeout)
+        if nxt is None or self.ngram.index.matches_after(list(proposal) + [nxt[0]]):
+            return None
+        return nxt
+
     def guess(self):
         return self._pending_commit.guess() if self._pending_commit is not None else None
 

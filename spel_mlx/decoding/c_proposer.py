@@ -148,10 +148,15 @@ class CDraftAheadProposer(CDraftProposer):
         self._k = 0
         self._guess = self._guess_q = None
         self._params = None
+        self._peeked = None         # (continuation tokens, seconds waited) joined by `peek`
+        self._proposal = []         # this round's proposal
         self.hits = self.misses = 0
 
     def _join(self, wanted: bool = True):
         """The continuation's tokens (None if there is none); not `wanted`: stop it early."""
+        if self._peeked is not None:
+            ahead, self._peeked = self._peeked[0], None
+            return ahead
         if not self._running:
             return None
         self._running = False
@@ -159,9 +164,25 @@ class CDraftAheadProposer(CDraftProposer):
             self.cdraft.cancel()
         return self.cdraft.wait()
 
+    def peek(self, proposal, timeout: float):
+        """The continuation drafted during this verification, if it is done within
+        `timeout` (greedy only: a sampled round's next proposal also depends on its
+        acceptance draws); one still running is left to the commit, as before."""
+        if not self._running or self._sampling is not None or list(proposal) != self._proposal:
+            return None
+        try:
+            ahead = self.cdraft.wait(timeout)
+        except TimeoutError:
+            return None
+        self._running = False
+        self._peeked = (ahead, 0.0)      # waited beside the verification: cost nothing
+        if ahead is None or len(ahead) < self._k:
+            return None
+        return self._guess, [int(t) for t in ahead[:self._k]]
+
     def reset(self):
         self._join()
-        self._ready = self._guess = None
+        self._ready = self._guess = self._peeked = None
         self.hits = self.misses = 0
         super().reset()
 
@@ -198,6 +219,7 @@ class CDraftAheadProposer(CDraftProposer):
             qs, guess_q = self._qs(params, 0, k), self._q(params, k)
             self.forwards += k + 1
         self._k, self._guess, self._guess_q, self._params = k, guess, guess_q, params
+        self._proposal = [int(t) for t in proposal]
         start = (self.policy is None or self.policy.ahead) and \
             int(self.cdraft.pos) + 2 * k + 2 <= self.cdraft.cfg.max_seq   # the continuation's positions fit
         self._round = (start, fresh_s is None, fresh_s)
@@ -212,9 +234,10 @@ class CDraftAheadProposer(CDraftProposer):
 
     def commit(self, n: int):
         t0 = time.perf_counter()
+        waited = self._peeked[1] if self._peeked is not None else 0.0
         ahead = self._join(wanted=n == self._k + 1)     # a round that rejected: drop it at once
         if self.policy is not None:
-            self.policy.round(*self._round, time.perf_counter() - t0)
+            self.policy.round(*self._round, time.perf_counter() - t0 + waited)
         self._round = (False, False, None)
         if ahead is not None and n == self._k + 1:
             k, params = self._k, self._params

@@ -13,7 +13,9 @@ property of the arithmetic, not of two implementations agreeing.
 from __future__ import annotations
 
 import math
+import statistics
 import time
+from collections import deque
 from dataclasses import dataclass
 
 import mlx.core as mx
@@ -28,6 +30,10 @@ from .target import TargetRunner
 
 MODES = ("ar", "spec", "governed", "forced", "oracle")
 MAX_K = 16
+# reading a verification's rows blocked this long: it was still running, so its duration
+# is known (a round waits for the draft's continuation only until the verification's
+# usual end less a build, so that building the next verification from it ends in time)
+STILL_RUNNING_S = 50e-6
 
 
 class DecodeError(ValueError):
@@ -99,10 +105,13 @@ class SpeculativeDecoder:
         self.target = TargetRunner(model, ring=ring, strict=strict) if runner is None else runner(ring, strict)
         self.stats = DecodeStats()
         self.output: list = []
-        # greedy `ar` builds each pass while the one before runs (False: one round at a
-        # time, as every other mode; the tests compare the two)
+        # greedy `ar` builds each pass while the one before runs, and greedy `spec` the
+        # next verification from the draft's drafted-ahead continuation (False: one
+        # round at a time, as every other mode; the tests compare the two)
         self.lookahead = True
         self._forced_carry = 0.0
+        self._built = None      # the next round's verification, built during this one
+        self._next = None       # ... and started: the pass the next round reads
 
     def close(self):
         if self.proposer is not None:
@@ -173,6 +182,21 @@ class SpeculativeDecoder:
     def _rounds(self, history, pending, max_tokens, stop_set, on_tokens, on_round, gov, seed) -> str:
         """Round after round (SPEC 5) until max_tokens, a stop token or max_seq; returns
         the stop reason.  `history` grows by the committed tokens."""
+        self._built = self._next = None
+        self._max_tokens = max_tokens
+        self._verify_times, self._build_times = deque(maxlen=16), deque([0.0], maxlen=16)
+        try:
+            return self._round_loop(history, pending, max_tokens, stop_set, on_tokens, on_round, gov, seed)
+        finally:
+            self._drop_next()
+
+    def _drop_next(self):
+        for built in (self._built, self._next):
+            if built is not None:
+                self.target.drop_built(built)
+        self._built = self._next = None
+
+    def _round_loop(self, history, pending, max_tokens, stop_set, on_tokens, on_round, gov, seed) -> str:
         st, out, max_seq = self.stats, self.output, self.cfg.max_seq
         behind = False              # rounds the governor skipped left the proposer behind
         while len(out) < max_tokens:
@@ -184,6 +208,7 @@ class SpeculativeDecoder:
             k = self._round_k(pos, max_tokens - len(out))
             stretch = self._ar_stretch(gov, k, max_tokens - len(out))
             if stretch:         # the governor's AR rounds, greedy: looking ahead
+                self._drop_next()
                 behind = True
                 pending, stop = self._greedy_ar(history, pending, stretch, max_tokens, stop_set,
                                                 on_tokens, on_round, gov)
@@ -209,6 +234,13 @@ class SpeculativeDecoder:
                 # their times say nothing of the mode (docs/decoding.md, "Cost-model governor")
                 gov.round(n, len(proposal), time.perf_counter() - t_round,
                           timed=self._passes_built() == built and not resumed)
+            ahead, self._built = self._built, None
+            if ahead is not None:   # it accepted everything and its guess: the next round
+                if gov is None or gov.drafting:    # verifies `ahead` (if it proposes it)
+                    self.target.start_built(ahead)
+                    self._next = ahead
+                else:
+                    self.target.drop_built(ahead)
             emitted, stop = self._emitted(proposal[:n] + [correction], stop_set, max_tokens - len(out))
             out.extend(emitted)
             st.tokens = len(out)
@@ -320,7 +352,11 @@ class SpeculativeDecoder:
         params, st = self.params, self.stats
         m = len(proposal)
         ta = time.perf_counter()
-        targ, rows = self.target.verify_rows([pending] + proposal, argmax=params.greedy and not params.uses_penalty)
+        if params.greedy and not params.uses_penalty and (self._next is not None or self._builds_ahead(m)):
+            targ, rows = self._verify_greedy_ahead(history, pending, proposal), None
+        else:
+            targ, rows = self.target.verify_rows([pending] + proposal,
+                                                 argmax=params.greedy and not params.uses_penalty)
         dt = time.perf_counter() - ta
         if m:
             st.verify_s += dt
@@ -351,6 +387,59 @@ class SpeculativeDecoder:
             n += 1
         return n, targ[n]
 
+    def _builds_ahead(self, m: int) -> bool:
+        """Whether a greedy round of m proposals builds the next verification ahead."""
+        return (m > 0 and self.lookahead and self.mode in ("spec", "governed")
+                and getattr(self.target, "build_next", None) is not None)
+
+    def _verify_greedy_ahead(self, history, pending, proposal) -> list:
+        """The target's argmax of each row, with the next round's verification built while
+        this one runs: from the draft's drafted-ahead continuation if it is done in time
+        (by the verification's usual duration less a build's), kept (`_built`) only if
+        this round accepts everything and its last row's token is the draft's guess.  A
+        verification built in the round before is used when this round's tokens are its
+        tokens (else dropped)."""
+        tokens = [pending] + proposal
+        built, self._next = self._next, None
+        if built is not None and built.tokens != tokens:
+            self.target.drop_built(built)
+            built = None
+        if built is not None:
+            rows, started = built.argmax, built.started
+            self.stats.extra["built_ahead"] = self.stats.extra.get("built_ahead", 0) + 1
+        else:
+            started = time.perf_counter()
+            rows = self.target.verify_argmax(tokens)
+        timeout = self._peek_timeout(started) if self._builds_ahead(len(proposal)) else None
+        nxt = self.proposer.peek(proposal, timeout) if timeout is not None else None
+        if nxt is not None:
+            guess, cont = nxt
+            out_after = len(self.output) + len(tokens)
+            k_next = self._round_k(self.target.pos + len(tokens), self._max_tokens - out_after)
+            if 0 < len(cont) <= k_next:       # else the next proposal is shorter
+                t_build = time.perf_counter()
+                self._built = self.target.build_next([guess] + list(cont))
+                self._build_times.append(time.perf_counter() - t_build)
+                self._built_guess = guess
+        t_read = time.perf_counter()
+        targ = rows.tolist()
+        t_end = time.perf_counter()
+        if t_end - t_read > STILL_RUNNING_S:      # it ended just now: its duration
+            self._verify_times.append(t_end - started)
+        m = len(proposal)
+        if self._built is not None and (targ[:m] != proposal or targ[m] != self._built_guess):
+            self.target.drop_built(self._built)     # never ran: the caches are as they were
+            self._built = None
+        return targ
+
+    def _peek_timeout(self, started: float):
+        """How long a round waits for the draft's continuation: until the verification
+        started at `started` usually ends, less a build (None before one is measured)."""
+        if not self._verify_times:
+            return None
+        until = started + statistics.median(self._verify_times) - statistics.median(self._build_times)
+        return max(0.0, until - time.perf_counter())
+
     def _forced_n(self, m: int) -> int:
         """Forced acceptance (benchmark only): the accepted count that keeps the running
         accepted/proposed at forced_alpha, by error diffusion."""
@@ -359,9 +448,13 @@ class SpeculativeDecoder:
         return n
 
     def _commit(self, n: int, m: int):
-        """Step 4: n+1 positions in target and proposer."""
+        """Step 4: n+1 positions in target and proposer (a verification built ahead stays
+        pending in the target)."""
         st = self.stats
-        self.target.commit(n + 1)
+        if self._built is not None:
+            self.target.commit_keep(n + 1)
+        else:
+            self.target.commit(n + 1)
         if m:
             self.proposer.commit(n + 1)
             st.proposed += m

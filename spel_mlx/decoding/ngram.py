@@ -67,6 +67,14 @@ class NgramIndex:
         return []
 
 
+    def matches_after(self, tokens) -> bool:
+        """Whether a lookup would find a match once `tokens` are appended (n-grams that
+        lie wholly inside `tokens` are not consulted: a prediction, not the lookup)."""
+        toks = self.tokens + [int(t) for t in tokens]
+        L = len(toks)
+        return any(tuple(toks[L - n:]) in self._last for n in range(min(self.max_n, L), self.min_n - 1, -1))
+
+
 def periodic(copied: list, period: int, k: int) -> list:
     """`copied` (the tokens after a match `period` back, at most `period` of them)
     extended to k tokens with that period."""

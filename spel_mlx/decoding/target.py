@@ -6,6 +6,9 @@ PREFILL_RING, so prompts prefill in batches of that many tokens rather than K+1
 """
 from __future__ import annotations
 
+import time
+from dataclasses import dataclass
+
 import mlx.core as mx
 import numpy as np
 
@@ -14,6 +17,17 @@ PREFILL_RING = 16
 
 def token_ids(tokens) -> list:
     return [int(t) for t in tokens]
+
+
+@dataclass
+class BuiltPass:
+    """A verification pass built during the round before it: its tokens, the lazy argmax
+    of its rows, and until it starts the state to go back to if it is not used (held no
+    longer: MLX updates the KV caches in place only when the pass alone holds them)."""
+    tokens: list
+    argmax: mx.array
+    mark: tuple | None
+    started: float = 0.0      # perf_counter() when it started
 
 
 class TargetRunner:
@@ -59,6 +73,41 @@ class TargetRunner:
         if argmax:
             return mx.argmax(logits, axis=-1).tolist(), None
         return None, np.array(logits)
+
+    def verify_argmax(self, tokens) -> mx.array:
+        """Greedy `verify`, started: the lazy argmax of each row (int32 [M])."""
+        rows = mx.argmax(self.verify(tokens), axis=-1)
+        mx.async_eval(rows)
+        return rows
+
+    def build_next(self, tokens) -> BuiltPass | None:
+        """The pass over `tokens` after the uncommitted rows of the running verification,
+        as if they will all be committed: built, not started (None where it cannot be:
+        no room in the ring or before max_seq, or strict rows that need one pass each)."""
+        st, M = self.state, len(tokens)
+        if not hasattr(self.model, "rows_lazy") or st.pending + M > st.ring or \
+                self.pos + st.pending + M > self.cfg.max_seq or \
+                (self.strict and not self.model.rows_independent("target", M)):
+            return None
+        mark = st.mark()
+        logits = self.model.rows_lazy(token_ids(tokens), st)
+        return BuiltPass(token_ids(tokens), mx.argmax(logits, axis=-1), mark)
+
+    def commit_keep(self, n: int):
+        """Commit the round's n rows, keeping the rows of a pass built after them pending."""
+        self.state.commit_keep(n)
+        self.pos += n
+
+    def start_built(self, built: BuiltPass):
+        """Run a built pass (its rows are the pending ones now)."""
+        built.mark = None
+        built.started = time.perf_counter()
+        mx.async_eval(built.argmax)
+
+    def drop_built(self, built: BuiltPass):
+        """Forget a built pass: its rows stop being pending, and one that never ran
+        leaves the state as it was before it."""
+        self.state.forget(len(built.tokens), built.mark)
 
     @property
     def looks_ahead(self) -> bool:

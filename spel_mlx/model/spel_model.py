@@ -179,6 +179,13 @@ class SpelModel(nn.Module):
 
     __call__ = forward
 
+    def rows_lazy(self, tokens, state: DecodeState) -> mx.array:
+        """M positions in one pass, built but not started; logits [M, V].  The same bits
+        as ``forward`` in fast mode (and in strict mode where ``rows_independent``)."""
+        toks = _token_list(tokens, self.cfg.vocab)
+        state.check_room(len(toks))
+        return run_pass(self, toks, state, dispatch=False)[0]
+
     def step_lazy(self, token: mx.array, state: DecodeState) -> mx.array:
         """One position from a token that may not be computed yet (an int32 [1] array:
         the argmax of the pass before), built but not started; logits [1, V].  One row

@@ -367,12 +367,19 @@ class CDraft:
         self._check(lib.spel_draft_prefill_async(self._live(), _ptr("int32_t", toks), toks.shape[0]))
         self._async = 0
 
-    def wait(self) -> list | None:
+    def wait(self, timeout: float | None = None) -> list | None:
         """The tokens of the proposal started by propose_at_async, [] after prefill_async
-        (blocks until done); None when ``cancel`` stopped a proposal first."""
-        n, self._async = getattr(self, "_async", 0), 0
+        (blocks until done, or at most `timeout` seconds: TimeoutError when it is still
+        running, and it stays out); None when ``cancel`` stopped a proposal first."""
+        n = getattr(self, "_async", 0)
         out = self._proposal_buffer()
-        rc = lib.spel_draft_wait(self._live(), out)
+        if timeout is None:
+            rc = lib.spel_draft_wait(self._live(), out)
+        else:
+            rc = lib.spel_draft_wait_for(self._live(), out, max(0, int(timeout * 1e6)))
+            if rc == lib.SPEL_TIMEOUT:
+                raise TimeoutError(f"the draft's proposal is still running after {timeout:.6f} s")
+        self._async = 0
         if rc == lib.SPEL_CANCELLED:
             return None
         self._check(rc)
