@@ -112,3 +112,40 @@ def test_ngram_bad_lengths():
     for kw in ({"k": 0}, {"k": 2.5}, {"max_k": 0}, {"max_k": "8"}):
         with pytest.raises(ValueError):
             NgramProposer(20, **kw)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_lookup_after_equals_appending_and_leaves_the_index(seed):
+    rng = np.random.default_rng(seed)
+    toks = [int(t) for t in rng.integers(0, 5, 60)]
+    ext = [int(t) for t in rng.integers(0, 5, 7)]
+    idx, ref = NgramIndex(2, 4), NgramIndex(2, 4)
+    idx.extend(toks)
+    ref.extend(toks + ext)
+    before = (list(idx.tokens), dict(idx._last))
+    for k in (1, 4, 9):
+        assert idx.lookup_after(ext, k) == ref.lookup(k)
+    assert (idx.tokens, idx._last) == before
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_peek_predicts_the_next_proposal_after_a_full_acceptance(seed):
+    """What `peek` returns is what the next round proposes when this round accepts its
+    whole proposal and the target's token after it is the guess."""
+    rng = np.random.default_rng(seed)
+    page = [int(t) for t in rng.integers(0, 6, 9)]
+    history = (page * 6)[:40 + seed]
+    pending = history.pop()
+    p = NgramProposer(6, k=4, max_k=15)
+    prop, _ = p.propose(history, pending, 15, GREEDY, 0)
+    checked = 0
+    while prop and checked < 10:
+        nxt = p.peek(prop, 15, 0.0)
+        guess = p.index.lookup(len(prop) + 1)[len(prop)]
+        p.commit(len(prop) + 1)                       # all accepted, and the guess was right
+        history += [pending] + prop
+        pending = guess
+        prop, _ = p.propose(history, pending, 15, GREEDY, 0)
+        assert nxt == ((guess, prop) if prop else None)
+        checked += 1
+    assert checked >= 3

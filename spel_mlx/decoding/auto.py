@@ -72,14 +72,18 @@ class AutoProposer(Proposer):
         self._proposed = len(toks)
         return toks, qs
 
-    def peek(self, proposal, timeout: float):
-        # the next round is the fallback's again unless the n-gram lookup will match
+    def peek(self, proposal, k, timeout):
+        # after an n-gram round, the n-gram's next lookup (if none: a fresh model proposal);
+        # after a model round, the n-gram's lookup if it will match, else the continuation
+        if self._pending_commit is self.ngram:
+            return self.ngram.peek(proposal, k, timeout)
         if self._pending_commit is not self.fallback:
             return None
-        nxt = self.fallback.peek(proposal, timeout)
-        if nxt is None or self.ngram.index.matches_after(list(proposal) + [nxt[0]]):
+        nxt = self.fallback.peek(proposal, min(k, self.ngram.k), timeout)
+        if nxt is None:
             return None
-        return nxt
+        copied = self.ngram.index.lookup_after(list(proposal) + [nxt[0]], min(k, self.ngram.length))
+        return (nxt[0], copied) if copied else nxt
 
     def guess(self):
         return self._pending_commit.guess() if self._pending_commit is not None else None

@@ -164,11 +164,12 @@ class CDraftAheadProposer(CDraftProposer):
             self.cdraft.cancel()
         return self.cdraft.wait()
 
-    def peek(self, proposal, timeout: float):
+    def peek(self, proposal, k: int, timeout: float):
         """The continuation drafted during this verification, if it is done within
         `timeout` (greedy only: a sampled round's next proposal also depends on its
         acceptance draws); one still running is left to the commit, as before."""
-        if not self._running or self._sampling is not None or list(proposal) != self._proposal:
+        if not self._running or self._sampling is not None or list(proposal) != self._proposal or \
+                k != self._k:
             return None
         try:
             ahead = self.cdraft.wait(timeout)

@@ -102,7 +102,9 @@ class SpeculativeDecoder:
         # runner(ring, strict): the target side when it is not `model` in this process
         # (a pipeline across processes, spel_mlx.distributed); TargetRunner's interface
         ring = self._longest() + 1
-        self.target = TargetRunner(model, ring=ring, strict=strict) if runner is None else runner(ring, strict)
+        # greedy spec may build a round's verification during the one before: room for two
+        self.target = (TargetRunner(model, ring=ring, strict=strict, batches=2 if self.proposer else 1)
+                       if runner is None else runner(ring, strict))
         self.stats = DecodeStats()
         self.output: list = []
         # greedy `ar` builds each pass while the one before runs, and greedy `spec` the
@@ -411,16 +413,13 @@ class SpeculativeDecoder:
             started = time.perf_counter()
             rows = self.target.verify_argmax(tokens)
         timeout = self._peek_timeout(started) if self._builds_ahead(len(proposal)) else None
-        nxt = self.proposer.peek(proposal, timeout) if timeout is not None else None
-        if nxt is not None:
-            guess, cont = nxt
-            out_after = len(self.output) + len(tokens)
-            k_next = self._round_k(self.target.pos + len(tokens), self._max_tokens - out_after)
-            if 0 < len(cont) <= k_next:       # else the next proposal is shorter
-                t_build = time.perf_counter()
-                self._built = self.target.build_next([guess] + list(cont))
-                self._build_times.append(time.perf_counter() - t_build)
-                self._built_guess = guess
+        k_next = self._round_k(self.target.pos + len(tokens), self._max_tokens - len(self.output) - len(tokens))
+        nxt = self.proposer.peek(proposal, k_next, timeout) if timeout is not None and k_next > 0 else None
+        if nxt is not None and 0 < len(nxt[1]) <= k_next:
+            t_build = time.perf_counter()
+            self._built = self.target.build_next([nxt[0]] + list(nxt[1]))
+            self._build_times.append(time.perf_counter() - t_build)
+            self._built_guess = nxt[0]
         t_read = time.perf_counter()
         targ = rows.tolist()
         t_end = time.perf_counter()

@@ -43,7 +43,8 @@ class NgramIndex:
         for t in tokens:
             self.append(int(t))
 
-    def append(self, token: int):
+    def append(self, token: int, replaced: dict | None = None):
+        """`replaced`: filled with the earlier entry (or None) of every n-gram it moves."""
         toks = self.tokens
         toks.append(token)
         end = len(toks)
@@ -53,7 +54,25 @@ class NgramIndex:
             start = end - 1 - n
             if start < 0:
                 break
-            self._last[tuple(toks[start:end - 1])] = end - 1
+            key = tuple(toks[start:end - 1])
+            if replaced is not None and key not in replaced:
+                replaced[key] = self._last.get(key)
+            self._last[key] = end - 1
+
+    def lookup_after(self, tokens, k: int) -> list:
+        """``lookup(k)`` once `tokens` are appended, leaving the index as it was."""
+        n0, replaced = len(self.tokens), {}
+        try:
+            for t in tokens:
+                self.append(int(t), replaced)
+            return self.lookup(k)
+        finally:
+            del self.tokens[n0:]
+            for key, end in replaced.items():
+                if end is None:
+                    del self._last[key]
+                else:
+                    self._last[key] = end
 
     def lookup(self, k: int) -> list:
         """Up to k tokens that followed the latest earlier occurrence of the longest
@@ -66,13 +85,6 @@ class NgramIndex:
                 return periodic(toks[pos:pos + k], L - pos, k)
         return []
 
-
-    def matches_after(self, tokens) -> bool:
-        """Whether a lookup would find a match once `tokens` are appended (n-grams that
-        lie wholly inside `tokens` are not consulted: a prediction, not the lookup)."""
-        toks = self.tokens + [int(t) for t in tokens]
-        L = len(toks)
-        return any(tuple(toks[L - n:]) in self._last for n in range(min(self.max_n, L), self.min_n - 1, -1))
 
 
 def periodic(copied: list, period: int, k: int) -> list:
@@ -147,6 +159,20 @@ class NgramProposer(Proposer):
         else:
             self.length = max(self.k, self.length - 1)
         self._proposed = 0
+
+    def peek(self, proposal, k, timeout):
+        """Its lookup once this round's proposal and the token the same match puts after
+        it (the guess) are committed, at the length a full acceptance leaves."""
+        m = len(proposal)
+        if not m or m != self._proposed:
+            return None
+        longer = self.index.lookup(m + 1)     # the same match, one token further
+        if longer[:m] != list(proposal):
+            return None
+        guess = longer[m]
+        length = self.length if self.max_k is None else min(self.max_k, self.length + GROW)
+        nxt = self.index.lookup_after(list(proposal) + [guess], min(k, length))
+        return (guess, nxt) if nxt else None
 
     def extra_stats(self) -> dict:
         return {"ngram_hits": self.hits, "ngram_lookups": self.lookups, "ngram_longest": self.longest}

@@ -57,12 +57,12 @@ class Proposer:
         for the round's last row, so a drafted-ahead continuation is used more often."""
         return None
 
-    def peek(self, proposal, timeout: float):
+    def peek(self, proposal, k: int, timeout: float):
         """During the verification of `proposal`: the next round's (pending, proposal) if
         this round accepts all of it and the target's token after it is the draft's
-        guess (greedy: the target then builds that verification ahead), waiting at most
-        `timeout` seconds for it; None when there is no such prediction (yet).  A wrong
-        one costs nothing but the pass built for it."""
+        guess (greedy: the target then builds that verification ahead), for a next call
+        of ``propose`` with `k`, waiting at most `timeout` seconds for it; None when there
+        is no such prediction (yet).  A wrong one costs nothing but the pass built for it."""
         return None
 
     def close(self):

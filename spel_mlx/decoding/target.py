@@ -34,12 +34,14 @@ class TargetRunner:
     """The MLX target model plus its decoding state, with a position counter.  A target
     split across processes (``spel_mlx.distributed``) has the same interface."""
 
-    def __init__(self, model, ring: int, strict: bool = False):
+    def __init__(self, model, ring: int, strict: bool = False, batches: int = 1):
+        """`ring`: the largest batch; `batches`: how many may be pending at once (a
+        verification built during the one before)."""
         self.model = model
         self.cfg = model.cfg
         self.strict = strict
-        self.ring = max(2, ring, PREFILL_RING)
-        self.state = model.new_state("target", ring=self.ring)
+        self.ring = max(2, ring, PREFILL_RING)        # also the prefill's batch
+        self.state = model.new_state("target", ring=self.ring * max(1, batches))
         self.pos = 0
 
     def reset(self):
