@@ -355,7 +355,7 @@ class SpeculativeDecoder:
         m = len(proposal)
         ta = time.perf_counter()
         if params.greedy and not params.uses_penalty and (self._next is not None or self._builds_ahead(m)):
-            targ, rows = self._verify_greedy_ahead(history, pending, proposal), None
+            targ, rows = self._verify_greedy_ahead(pending, proposal), None
         else:
             targ, rows = self.target.verify_rows([pending] + proposal,
                                                  argmax=params.greedy and not params.uses_penalty)
@@ -394,7 +394,7 @@ class SpeculativeDecoder:
         return (m > 0 and self.lookahead and self.mode in ("spec", "governed")
                 and getattr(self.target, "build_next", None) is not None)
 
-    def _verify_greedy_ahead(self, history, pending, proposal) -> list:
+    def _verify_greedy_ahead(self, pending, proposal) -> list:
         """The target's argmax of each row, with the next round's verification built while
         this one runs: from the draft's drafted-ahead continuation if it is done in time
         (by the verification's usual duration less a build's), kept (`_built`) only if
@@ -419,14 +419,13 @@ class SpeculativeDecoder:
             t_build = time.perf_counter()
             self._built = self.target.build_next([nxt[0]] + list(nxt[1]))
             self._build_times.append(time.perf_counter() - t_build)
-            self._built_guess = nxt[0]
         t_read = time.perf_counter()
         targ = rows.tolist()
         t_end = time.perf_counter()
         if t_end - t_read > STILL_RUNNING_S:      # it ended just now: its duration
             self._verify_times.append(t_end - started)
         m = len(proposal)
-        if self._built is not None and (targ[:m] != proposal or targ[m] != self._built_guess):
+        if self._built is not None and (targ[:m] != proposal or targ[m] != self._built.tokens[0]):
             self.target.drop_built(self._built)     # never ran: the caches are as they were
             self._built = None
         return targ
