@@ -221,3 +221,29 @@ def test_greedy_spec_building_ahead_keeps_the_caches_in_place(shipped, monkeypat
     assert dec.stats.extra.get("built_ahead", 0) > 5
     assert peaks[True] < peaks[False] + cache / 2, (peaks, cache)
     dec.close()
+
+
+@pytest.mark.parametrize("accept", ["residual", "coupled"])
+def test_sampled_spec_builds_ahead_with_the_same_tokens(shipped, monkeypatch, accept):
+    """A sampled round's next proposal is the continuation drafted from the context and
+    noise a full acceptance leaves: built from it, the seeded text is the same as one
+    round at a time (both rules: their draws are indexed by position, not by round)."""
+    from spel_mlx.decoding import make_proposer
+    from spel_mlx.decoding.sampling import SamplingParams
+    loaded, tok = shipped
+    model = loaded.model
+    monkeypatch.setattr(SpeculativeDecoder, "_peek_timeout", lambda self, started: 10.0)
+    used = 0
+    for seed in (1, 2):
+        params = SamplingParams(temperature=0.7, top_p=0.95, repetition_penalty=1.1, seed=seed, accept=accept)
+        outs = {}
+        for lookahead in (True, False):
+            dec = SpeculativeDecoder(model, make_proposer("c", model, weights=loaded.weights, k=4, threads=1,
+                                                          ahead=True), "spec", params=params)
+            dec.lookahead = lookahead
+            outs[lookahead] = [dec.generate(tok.encode(text), 60) for text in TEXTS[:2]]
+            used += dec.stats.extra.get("built_ahead", 0) if lookahead else 0
+            assert dec.target.state.pending == 0
+            dec.close()
+        assert outs[True] == outs[False], (accept, seed)
+    assert used > 3, used

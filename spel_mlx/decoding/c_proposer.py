@@ -166,10 +166,9 @@ class CDraftAheadProposer(CDraftProposer):
 
     def peek(self, proposal, k: int, timeout: float):
         """The continuation drafted during this verification, if it is done within
-        `timeout` (greedy only: a sampled round's next proposal also depends on its
-        acceptance draws); one still running is left to the commit, as before."""
-        if not self._running or self._sampling is not None or list(proposal) != self._proposal or \
-                k != self._k:
+        `timeout` (sampled: drafted from the context and noise a full acceptance leaves);
+        one still running is left to the commit, as before."""
+        if not self._running or list(proposal) != self._proposal or k != self._k:
             return None
         try:
             ahead = self.cdraft.wait(timeout)

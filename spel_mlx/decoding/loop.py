@@ -351,14 +351,22 @@ class SpeculativeDecoder:
         step (sampling.sample_rows).  Coupled rule and greedy: n is the longest prefix
         where the proposal equals those tokens.  Residual rule: sampling.residual_round,
         the target's own sample after an all-accepted round."""
+        n, correction = self._decide(history, pending, proposal, qs, seed)
+        if self._built is not None and not (n == len(proposal) and correction == self._built.tokens[0]):
+            self.target.drop_built(self._built)     # never ran: the state is as it was
+            self._built = None
+        return n, correction
+
+    def _decide(self, history, pending, proposal, qs, seed):
         params, st = self.params, self.stats
         m = len(proposal)
         ta = time.perf_counter()
-        if params.greedy and not params.uses_penalty and (self._next is not None or self._builds_ahead(m)):
-            targ, rows = self._verify_greedy_ahead(pending, proposal), None
+        argmax = params.greedy and not params.uses_penalty
+        if self._next is not None or self._builds_ahead(m):
+            out = self._verify_ahead(pending, proposal, argmax)
+            targ, rows = (out, None) if argmax else (None, out)
         else:
-            targ, rows = self.target.verify_rows([pending] + proposal,
-                                                 argmax=params.greedy and not params.uses_penalty)
+            targ, rows = self.target.verify_rows([pending] + proposal, argmax=argmax)
         dt = time.perf_counter() - ta
         if m:
             st.verify_s += dt
@@ -390,45 +398,42 @@ class SpeculativeDecoder:
         return n, targ[n]
 
     def _builds_ahead(self, m: int) -> bool:
-        """Whether a greedy round of m proposals builds the next verification ahead."""
+        """Whether a round of m proposals builds the next verification ahead."""
         return (m > 0 and self.lookahead and self.mode in ("spec", "governed")
                 and getattr(self.target, "build_next", None) is not None)
 
-    def _verify_greedy_ahead(self, pending, proposal) -> list:
-        """The target's argmax of each row, with the next round's verification built while
-        this one runs: from the draft's drafted-ahead continuation if it is done in time
-        (by the verification's usual duration less a build's), kept (`_built`) only if
-        this round accepts everything and its last row's token is the draft's guess.  A
-        verification built in the round before is used when this round's tokens are its
-        tokens (else dropped)."""
+    def _verify_ahead(self, pending, proposal, argmax: bool):
+        """The target's argmax of each row (a list), or its logits (numpy [M, V]), with the
+        next round's verification built while this one runs: from the proposer's
+        prediction (a drafted-ahead continuation, the n-gram's next lookup) if it is there
+        in time (by the verification's usual duration less a build's); `_verify` keeps it
+        (`_built`) only if this round accepts everything and its last token is the
+        prediction's first.  A verification built in the round before is used when this
+        round's tokens are its tokens (else dropped)."""
         tokens = [pending] + proposal
         built, self._next = self._next, None
         if built is not None and built.tokens != tokens:
             self.target.drop_built(built)
             built = None
         if built is not None:
-            rows, started = built.argmax, built.started
+            rows, started = built.out, built.started
             self.stats.extra["built_ahead"] = self.stats.extra.get("built_ahead", 0) + 1
         else:
             started = time.perf_counter()
-            rows = self.target.verify_argmax(tokens)
+            rows = self.target.verify_started(tokens, argmax)
         timeout = self._peek_timeout(started) if self._builds_ahead(len(proposal)) else None
         k_next = self._round_k(self.target.pos + len(tokens), self._max_tokens - len(self.output) - len(tokens))
         nxt = self.proposer.peek(proposal, k_next, timeout) if timeout is not None and k_next > 0 else None
         if nxt is not None and 0 < len(nxt[1]) <= k_next:
             t_build = time.perf_counter()
-            self._built = self.target.build_next([nxt[0]] + list(nxt[1]))
+            self._built = self.target.build_next([nxt[0]] + list(nxt[1]), argmax)
             self._build_times.append(time.perf_counter() - t_build)
         t_read = time.perf_counter()
-        targ = rows.tolist()
+        out = rows.tolist() if argmax else np.array(rows)
         t_end = time.perf_counter()
         if t_end - t_read > STILL_RUNNING_S:      # it ended just now: its duration
             self._verify_times.append(t_end - started)
-        m = len(proposal)
-        if self._built is not None and (targ[:m] != proposal or targ[m] != self._built.tokens[0]):
-            self.target.drop_built(self._built)     # never ran: the caches are as they were
-            self._built = None
-        return targ
+        return out
 
     def _peek_timeout(self, started: float):
         """How long a round waits for the draft's continuation: until the verification

@@ -21,11 +21,12 @@ def token_ids(tokens) -> list:
 
 @dataclass
 class BuiltPass:
-    """A verification pass built during the round before it: its tokens, the lazy argmax
-    of its rows, and until it starts the state to go back to if it is not used (held no
-    longer: MLX updates the KV caches in place only when the pass alone holds them)."""
+    """A verification pass built during the round before it: its tokens, what a round
+    reads of it (the lazy argmax of its rows, or its logits), and until it starts the
+    state to go back to if it is not used (held no longer: MLX updates the KV caches in
+    place only when the pass alone holds them)."""
     tokens: list
-    argmax: mx.array
+    out: mx.array
     mark: tuple | None
     started: float = 0.0      # perf_counter() when it started
 
@@ -76,13 +77,15 @@ class TargetRunner:
             return mx.argmax(logits, axis=-1).tolist(), None
         return None, np.array(logits)
 
-    def verify_argmax(self, tokens) -> mx.array:
-        """Greedy `verify`, started: the lazy argmax of each row (int32 [M])."""
-        rows = mx.argmax(self.verify(tokens), axis=-1)
-        mx.async_eval(rows)
-        return rows
+    def verify_started(self, tokens, argmax: bool) -> mx.array:
+        """`verify`, started: the lazy argmax of each row (int32 [M]), or the logits."""
+        out = self.verify(tokens)
+        if argmax:
+            out = mx.argmax(out, axis=-1)
+            mx.async_eval(out)
+        return out
 
-    def build_next(self, tokens) -> BuiltPass | None:
+    def build_next(self, tokens, argmax: bool) -> BuiltPass | None:
         """The pass over `tokens` after the uncommitted rows of the running verification,
         as if they will all be committed: built, not started (None where it cannot be:
         no room in the ring or before max_seq, or strict rows that need one pass each)."""
@@ -93,7 +96,7 @@ class TargetRunner:
             return None
         mark = st.mark()
         logits = self.model.rows_lazy(token_ids(tokens), st)
-        return BuiltPass(token_ids(tokens), mx.argmax(logits, axis=-1), mark)
+        return BuiltPass(token_ids(tokens), mx.argmax(logits, axis=-1) if argmax else logits, mark)
 
     def commit_keep(self, n: int):
         """Commit the round's n rows, keeping the rows of a pass built after them pending."""
@@ -104,7 +107,7 @@ class TargetRunner:
         """Run a built pass (its rows are the pending ones now)."""
         built.mark = None
         built.started = time.perf_counter()
-        mx.async_eval(built.argmax)
+        mx.async_eval(built.out)
 
     def drop_built(self, built: BuiltPass):
         """Forget a built pass: its rows stop being pending, and one that never ran
