@@ -148,14 +148,14 @@ class CDraftAheadProposer(CDraftProposer):
         self._k = 0
         self._guess = self._guess_q = None
         self._params = None
-        self._peeked = None         # (continuation tokens, seconds waited) joined by `peek`
+        self._peeked = None         # the continuation's tokens, joined early by `peek`
         self._proposal = []         # this round's proposal
         self.hits = self.misses = 0
 
     def _join(self, wanted: bool = True):
         """The continuation's tokens (None if there is none); not `wanted`: stop it early."""
         if self._peeked is not None:
-            ahead, self._peeked = self._peeked[0], None
+            ahead, self._peeked = self._peeked, None
             return ahead
         if not self._running:
             return None
@@ -175,8 +175,8 @@ class CDraftAheadProposer(CDraftProposer):
         except TimeoutError:
             return None
         self._running = False
-        self._peeked = (ahead, 0.0)      # waited beside the verification: cost nothing
-        if ahead is None or len(ahead) < self._k:
+        self._peeked = ahead or []      # the wait ran beside the verification: the policy sees none
+        if len(self._peeked) < self._k:
             return None
         return self._guess, [int(t) for t in ahead[:self._k]]
 
@@ -234,12 +234,11 @@ class CDraftAheadProposer(CDraftProposer):
 
     def commit(self, n: int):
         t0 = time.perf_counter()
-        waited = self._peeked[1] if self._peeked is not None else 0.0
         ahead = self._join(wanted=n == self._k + 1)     # a round that rejected: drop it at once
         if self.policy is not None:
-            self.policy.round(*self._round, time.perf_counter() - t0 + waited)
+            self.policy.round(*self._round, time.perf_counter() - t0)
         self._round = (False, False, None)
-        if ahead is not None and n == self._k + 1:
+        if ahead and n == self._k + 1:
             k, params = self._k, self._params
             qs, guess_q = self._qs(params, k + 1, k), self._q(params, 2 * k + 1)   # before the offsets shift
             self.cdraft.commit_keep(n)                   # keep [g, e_0..e_{K-1}] pending

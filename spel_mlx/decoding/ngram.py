@@ -86,7 +86,6 @@ class NgramIndex:
         return []
 
 
-
 def periodic(copied: list, period: int, k: int) -> list:
     """`copied` (the tokens after a match `period` back, at most `period` of them)
     extended to k tokens with that period."""
