@@ -339,8 +339,7 @@ def run(argv=None, stdout=None, stderr=None) -> int:
                   "top_p": request.params.top_p, "top_k": request.params.top_k,
                   "repetition_penalty": request.params.repetition_penalty, "seed": request.params.seed,
                   "accept": request.params.accept,
-                  "draft_threads": request.decoding.draft_threads, "target_device": model.device,
-                  "kv_cache": getattr(model.model, "kv_cache", "float32")})   # pipeline stages: float32
+                  "draft_threads": request.decoding.draft_threads, "target_device": model.device})
         if forced_alpha is not None:
             d["forced_alpha"] = forced_alpha
         if placement is not None:

@@ -81,7 +81,7 @@ def test_completion_equals_the_python_api(client, reference):
     assert (r.usage.prompt_tokens, r.usage.completion_tokens) == (len(reference[1].encode(PROMPT)), 24)
     assert r.usage.total_tokens == r.usage.prompt_tokens + 24
     spel = r.model_extra["spel"]
-    assert spel["mode"] == "spec" and 0 <= spel["alpha"] <= 1 and spel["tok_s"] > 0
+    assert spel["mode"] == "spec" and 0 <= spel["alpha"] <= 1 and spel["tok_s"] > 0 and spel["kv_cache"] == "float32"
     assert spel["tokens_per_round"] == pytest.approx(24 / spel["rounds"], abs=1e-3)
 
 
@@ -253,3 +253,22 @@ def test_load(server, tmp_path):
     assert after["completed"] - before.get("completed", 0) == res["completed"]
     assert after.get("rejected", 0) - before.get("rejected", 0) == res["rejected_429"]
     assert server.alive()
+
+
+def test_a_server_with_a_float16_cache(tmp_path):
+    """`--kv-cache float16`: the server's text is the Python API's with the same cache."""
+    require_or_skip(server_packages_missing() is None, server_packages_missing(), env="SPEL_REQUIRE_SERVER")
+    import openai
+    from spel_mlx import generate, load
+    model, tok = load(kv_cache="float16")
+    try:
+        want = generate(model, tok, PROMPT, max_tokens=24, temperature=0)
+    finally:
+        model.close()
+    srv = LiveServer("--kv-cache", "float16", "--no-warmup", log_dir=tmp_path)
+    try:
+        client = openai.OpenAI(base_url=srv.url + "/v1", api_key="none", max_retries=0, timeout=60)
+        r = client.completions.create(model="m", prompt=PROMPT, max_tokens=24, temperature=0)
+        assert r.choices[0].text == want and r.model_extra["spel"]["kv_cache"] == "float16"
+    finally:
+        srv.stop()

@@ -136,7 +136,8 @@ class SpeculativeDecoder:
                             proposer.governor_memory if proposer is not None else None)
         st = self.stats = DecodeStats(mode=self.mode, draft=(proposer.name if proposer else "none"),
                                       k=(self.k if proposer else 0), strict=self.strict,
-                                      prompt_tokens=len(prompt))
+                                      prompt_tokens=len(prompt),
+                                      kv_cache=getattr(self.target, "kv_cache", "float32"))
         out = self.output = []
 
         t0 = time.perf_counter()

@@ -27,6 +27,7 @@ class DecodeStats:
     decode_s: float = 0.0
     ar_token_s: float | None = None   # reference target AR-token time (measured or calibrated)
     stop_reason: str = ""
+    kv_cache: str = "float32"         # the target's K/V cache dtype
     extra: dict = field(default_factory=dict)
 
     @property
@@ -70,7 +71,7 @@ class DecodeStats:
             "prefill_s": r(self.prefill_s), "draft_s": r(self.draft_s), "verify_s": r(self.verify_s),
             "ar_s": r(self.ar_s), "decode_s": r(self.decode_s),
             "ar_token_s": r(self.ar_token_s, 8), "c": r(self.c, 4), "v": r(self.v, 4),
-            "tok_s": r(self.tok_s, 2), "stop_reason": self.stop_reason,
+            "tok_s": r(self.tok_s, 2), "stop_reason": self.stop_reason, "kv_cache": self.kv_cache,
         }
         out.update(self.extra)
         return out

@@ -45,6 +45,11 @@ class TargetRunner:
         self.state = model.new_state("target", ring=self.ring * max(1, batches))
         self.pos = 0
 
+    @property
+    def kv_cache(self) -> str:
+        """The K/V cache dtype's name (spel_mlx.state.KV_DTYPES)."""
+        return "float16" if self.state.kv_dtype == mx.float16 else "float32"
+
     def reset(self):
         """An empty state for the next call, keeping the KV buffers grown so far: a fresh
         state would allocate them again and fault their pages in (docs/model.md)."""

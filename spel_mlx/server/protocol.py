@@ -191,7 +191,8 @@ def spel_summary(stats: dict, queued_s: float) -> dict:
             "tok_s": stats.get("tok_s", 0.0), "rounds": stats.get("rounds", 0),
             "proposed": stats.get("proposed", 0), "accepted": stats.get("accepted", 0),
             "mode": stats.get("mode"), "draft": stats.get("draft"), "k": stats.get("k"),
-            "stop_reason": stats.get("stop_reason"), "queued_s": round(queued_s, 4)}
+            "stop_reason": stats.get("stop_reason"), "kv_cache": stats.get("kv_cache"),
+            "queued_s": round(queued_s, 4)}
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict:
