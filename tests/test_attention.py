@@ -149,3 +149,14 @@ def test_float16_cache_matches_mlx_ops_and_checks_its_arguments():
         E.attend(q, kh, vc, pos)
     with pytest.raises(ValueError, match="float32 or float16"):
         E.attend(q, kc.astype(mx.bfloat16), vc.astype(mx.bfloat16), pos)
+
+
+def test_a_strided_float16_cache_is_widened_first():
+    """A cache whose head elements are not contiguous (a transposed view) is copied
+    widened: the same bits as the contiguous float16 cache."""
+    q, kc, vc, pos = _case(5, 90, 128, 4, 32, seed=7)
+    kh, vh = kc.astype(mx.float16), vc.astype(mx.float16)
+    kt, vt = (mx.swapaxes(mx.array(np.ascontiguousarray(np.swapaxes(np.asarray(a), 1, 2))), 1, 2) for a in (kh, vh))
+    mx.eval(kt, vt)
+    assert kt.dtype == mx.float16 and np.array_equal(np.asarray(kt), np.asarray(kh))
+    assert np.array_equal(_attend(q, kt, vt, pos), _attend(q, kh, vh, pos))
