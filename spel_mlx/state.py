@@ -37,15 +37,6 @@ class StateError(ValueError):
     """Misuse of a DecodeState (commit out of range, past max_seq, ...)."""
 
 
-def kv_dtype(name) -> mx.Dtype:
-    """The cache dtype called ``name`` ("float32" | "float16"; an mx dtype passes)."""
-    if name in KV_DTYPES.values():
-        return name
-    if name not in KV_DTYPES:
-        raise StateError(f"KV cache dtype {name!r}: expected one of {', '.join(KV_DTYPES)}")
-    return KV_DTYPES[name]
-
-
 def kv_rows(n: int, max_seq: int) -> int:
     """KV cache rows for n positions: the next power of two from KV_MIN_ROWS, capped at
     max_seq.  Never less than the window a pass over n positions reads (model.passes.window:
@@ -84,7 +75,9 @@ class DecodeState:
                  kv: str = "float32"):
         """``layers``: the target layers this state covers (a pipeline stage's slice,
         indexed from 0 here); None: the whole stack.  ``kv``: the K/V caches' dtype."""
-        self.kv_dtype = kv_dtype(kv)
+        if kv not in KV_DTYPES:
+            raise StateError(f"KV cache dtype {kv!r}: expected one of {', '.join(KV_DTYPES)}")
+        self.kv_cache, self.kv_dtype = kv, KV_DTYPES[kv]
         if stack == "target":
             kinds = [cfg.layer_kind(i) for i in (range(cfg.n_layers) if layers is None else layers)]
         elif stack == "draft":
@@ -173,20 +166,20 @@ class DecodeState:
     # --- transactions -------------------------------------------------------------
     def commit(self, n: int) -> None:
         """Accept the first n pending tokens: moves indices only."""
-        if not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= self.pending:
-            raise StateError(f"commit({n!r}): must be in 1..{self.pending} (tokens pending)")
-        self.read = (self.read + n) % self.ring
-        self.pos += n
+        self._accept(n, "commit")
         self.pending = 0
 
     def commit_keep(self, n: int) -> None:
         """Accept the first n pending tokens and keep the ones written after them pending
-        (a pass built ahead of its round's result: ``mark`` / ``back_to``)."""
+        (a pass built ahead of its round's result: ``mark`` / ``forget``)."""
+        self._accept(n, "commit_keep")
+        self.pending -= n
+
+    def _accept(self, n: int, what: str) -> None:
         if not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= self.pending:
-            raise StateError(f"commit_keep({n!r}): must be in 1..{self.pending} (tokens pending)")
+            raise StateError(f"{what}({n!r}): must be in 1..{self.pending} (tokens pending)")
         self.read = (self.read + n) % self.ring
         self.pos += n
-        self.pending -= n
 
     def mark(self) -> tuple:
         """The KV cache arrays and ring slots now: ``forget`` puts them back when a pass

@@ -423,8 +423,10 @@ class SpeculativeDecoder:
             started = time.perf_counter()
             rows = self.target.verify_started(tokens, argmax)
         timeout = self._peek_timeout(started) if self._builds_ahead(len(proposal)) else None
-        k_next = self._round_k(self.target.pos + len(tokens), self._max_tokens - len(self.output) - len(tokens))
-        nxt = self.proposer.peek(proposal, k_next, timeout) if timeout is not None and k_next > 0 else None
+        nxt, k_next = None, 0
+        if timeout is not None:
+            k_next = self._round_k(self.target.pos + len(tokens), self._max_tokens - len(self.output) - len(tokens))
+            nxt = self.proposer.peek(proposal, k_next, timeout) if k_next > 0 else None
         if nxt is not None and 0 < len(nxt[1]) <= k_next:
             t_build = time.perf_counter()
             self._built = self.target.build_next([nxt[0]] + list(nxt[1]), argmax)

@@ -48,7 +48,7 @@ class TargetRunner:
     @property
     def kv_cache(self) -> str:
         """The K/V cache dtype's name (spel_mlx.state.KV_DTYPES)."""
-        return "float16" if self.state.kv_dtype == mx.float16 else "float32"
+        return self.state.kv_cache
 
     def reset(self):
         """An empty state for the next call, keeping the KV buffers grown so far: a fresh
@@ -77,10 +77,8 @@ class TargetRunner:
     def verify_rows(self, tokens, argmax: bool):
         """What a round reads of `verify`: (the argmax of each row, None) or, for
         sampling and penalties, (None, the logits as numpy [M, V])."""
-        logits = self.verify(tokens)
-        if argmax:
-            return mx.argmax(logits, axis=-1).tolist(), None
-        return None, np.array(logits)
+        out = self.verify_started(tokens, argmax)
+        return (out.tolist(), None) if argmax else (None, np.array(out))
 
     def verify_started(self, tokens, argmax: bool) -> mx.array:
         """`verify`, started: the lazy argmax of each row (int32 [M]), or the logits."""

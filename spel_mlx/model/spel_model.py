@@ -181,8 +181,9 @@ class SpelModel(nn.Module):
 
     def rows_lazy(self, tokens, state: DecodeState) -> mx.array:
         """M positions in one pass, built but not started; logits [M, V].  The same bits
-        as ``forward`` in fast mode (and in strict mode where ``rows_independent``)."""
-        toks = _token_list(tokens, self.cfg.vocab)
+        as ``forward`` in fast mode (and in strict mode where ``rows_independent``).
+        `tokens`: ids, or an int32 [M] array that may not be computed yet."""
+        toks = tokens if isinstance(tokens, mx.array) else _token_list(tokens, self.cfg.vocab)
         state.check_room(len(toks))
         return run_pass(self, toks, state, dispatch=False)[0]
 
@@ -192,8 +193,7 @@ class SpelModel(nn.Module):
         is the same pass in strict and fast mode."""
         if token.shape != (1,) or token.dtype != mx.int32:
             raise ValueError(f"step_lazy takes an int32 [1] token array, not {token.dtype} {token.shape}")
-        state.check_room(1)
-        return run_pass(self, token, state, dispatch=False)[0]
+        return self.rows_lazy(token, state)
 
     def rows_independent(self, stack: str, M: int) -> bool:
         """True when an M-row pass gives every row exactly the bits of a single-token

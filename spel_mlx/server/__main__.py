@@ -31,7 +31,7 @@ def build_parser() -> argparse.ArgumentParser:
                          "the C draft is not built)")
     ap.add_argument("--spec-k", type=int, default=None, help="default proposals per round, 1..16")
     ap.add_argument("--draft-threads", type=int, default=None, help="C draft worker threads 1..6")
-    ap.add_argument("--kv-cache", choices=("float32", "float16"), default="float32",
+    ap.add_argument("--kv-cache", choices=("float32", "float16"), default="float32",  # state.KV_DTYPES (mlx not imported yet)
                     help="the target's K/V cache dtype (float16: faster long contexts, k and v rounded once)")
     ap.add_argument("--no-warmup", action="store_true", help="skip the short warm-up generation at start")
     ap.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
