@@ -492,6 +492,40 @@ def test_tiles_read_one_weight_layout_for_every_batch(ops, avx512_linear):
         E.set_linear(old)
 
 
+def _address(a) -> int:
+    return np.asarray(a).ctypes.data     # numpy reads an evaluated MLX array in place
+
+
+def test_aligned_copy_starts_on_a_cache_line_and_keeps_every_value():
+    E = cpu_ops._spel_cpu
+    offsets = set()
+    for shape in [(3, 256, 64), (7,), (2, 3), (1, 1, 1)]:
+        a = _rand(shape, 11)
+        mx.eval(a)
+        offsets.add(_address(a) % 64)
+        b = E.aligned_copy(a)
+        assert _address(b) % 64 == 0 and b.shape == a.shape and b.dtype == a.dtype
+        assert np.array_equal(np.asarray(b), np.asarray(a))
+        assert np.array_equal(np.asarray(b * 2 + 1), np.asarray(a * 2 + 1))   # an ordinary input
+    assert offsets != {0}    # MLX's own buffers are not aligned (the reason for the copy)
+    with pytest.raises(ValueError, match="row-contiguous"):
+        E.aligned_copy(mx.transpose(_rand((4, 4), 1)))
+
+
+def test_pass_weight_blocks_start_on_cache_lines(models):
+    """The products read 256-byte block rows: every layout the fused pass captured starts
+    on a cache line, and its values are the weight's."""
+    _, fused, _ = models
+    st = fused.new_state(ring=10)
+    mx.eval(fused.forward([1, 2, 3], st))
+    lins = [lin for blk in fused.stack_layers("target") for lin in blk.linears()] + [fused.lm_head]
+    blocks = [lin.blocks(cpu_ops.CPUFusedOps.layout_rows(3)) for lin in lins]
+    assert blocks and all(b is not None and _address(b) % 64 == 0 for b in blocks)
+    W = np.asarray(lins[0].weight)
+    b = np.asarray(blocks[0])
+    assert np.array_equal(b.transpose(0, 2, 1).reshape(W.shape), W)
+
+
 def test_strict_batches_run_as_one_pass_only_when_rows_are_independent(models, avx512_linear):
     """With the AVX-512 tiles strict mode runs a K+1 batch as one pass (the same bits
     as single-token passes); with the BLAS products it keeps running them one by one."""

@@ -38,6 +38,8 @@ NB_MODULE(_spel_cpu, m) {
         "The widest SIMD variant allowed (none, avx2, avx512; default avx512); returns the old level");
   m.def("set_helper", &set_helper, nb::arg("enable"),
         "Allow (default) or forbid the helper thread that shares attention over a long cache; returns the old setting");
+  m.def("aligned_copy", &aligned_copy, nb::arg("a"),
+        "A copy of an evaluated row-contiguous array whose data starts on a cache line");
   m.def("helper_state", &helper_state, "Whether the attention helper thread is used: on, off, off (one usable CPU)");
   m.def("helper_items_run", &helper_items_run, "Items the helper thread has run so far");
   m.def("profile", &profile, nb::arg("enable"),

@@ -52,6 +52,9 @@ std::map<std::string, std::pair<int64_t, double>> profile(bool enable);
 std::string simd();
 bool set_simd(bool enable);
 std::string set_simd_level(const std::string& level);
+// a copy of an evaluated row-contiguous array whose data starts on a cache line
+mx::array aligned_copy(const mx::array& a);
+
 
 // helper.cpp: allow (default) or forbid the helper thread that shares attention over a
 // long cache; returns the old setting.  The items it has run so far (tests).

@@ -97,7 +97,7 @@ class CPUFusedOps(MLXOps):
 
     # --- single primitives ---------------------------------------------------------------
     def prepare_linear(self, lin, M: int) -> None:
-        lin.warm(self.layout_rows(M), blocks=True)
+        lin.warm(self.layout_rows(M), blocks=True, place=_spel_cpu.aligned_copy)   # blocks on cache lines
 
     def linear(self, x, lin):
         blocks = self._blocks(x, lin)

@@ -86,14 +86,14 @@ class Linear(nn.Module):
         """The warm layouts built so far (what the CPU products read)."""
         return list(self._cache().values())
 
-    def warm(self, M: int, blocks: bool = False) -> None:
+    def warm(self, M: int, blocks: bool = False, place=None) -> None:
         """Build the layout an M-row product uses; ``blocks``: also as one 3-D
         [nb, in, rb] array (a single block for a plain W^T), what the fused CPU
-        primitives read."""
+        primitives read, copied by ``place`` (an evaluated array -> its copy) if given."""
         rb = row_block(*self.weight.shape, M)
         view = self.weight_view(rb, warm=True)
         cache = self._cache()
         if blocks and ("3d", rb) not in cache:
             b3 = mx.contiguous(view if rb is not None else view.reshape(1, *view.shape))
             mx.eval(b3)
-            cache[("3d", rb)] = b3
+            cache[("3d", rb)] = b3 if place is None else place(b3)
