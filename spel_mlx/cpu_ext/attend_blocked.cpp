@@ -201,32 +201,49 @@ SPEL_TARGET_AVX512 inline __m512 exp2_nonpos16(__m512 t) {
   return _mm512_maskz_mul_ps(live, p, _mm512_castsi512_ps(e));
 }
 
-// hd in J 16-lane chunks, the last one masked by `tail`
-template <class E, int J>
+// hd in J 16-lane chunks, the last one masked by `tail` when TAIL (hd % 16 != 0).  The
+// 16 keys' lane vectors are computed into registers first (independent chains), then
+// folded by the halving tree; everything stays in vector registers (no scalar exp).
+template <class E, bool TAIL>
+SPEL_TARGET_AVX512 inline __m512 chunk16(__mmask16 tail, bool last, const E* p) {
+  if constexpr (TAIL && std::is_same<E, float>::value) {
+    if (last) return _mm512_maskz_loadu_ps(tail, p);
+  }
+  if constexpr (std::is_same<E, float>::value)
+    return _mm512_loadu_ps(p);
+  else
+    return load16(tail, p);
+}
+
+template <class E, int J, bool TAIL>
 SPEL_TARGET_AVX512 void attend_avx512(const AttendArgs& A, Running& R) {
   const __mmask16 tail = static_cast<__mmask16>(A.hd % 16 ? (1u << (A.hd % 16)) - 1 : 0xFFFF);
-  auto mask = [tail](int j) { return j == J - 1 ? tail : static_cast<__mmask16>(0xFFFF); };
   walk<E>(A, R, [&](int64_t b0, int64_t nb, int64_t h, const float* q, float& m_run, float* lanes, float* acc)
                  SPEL_TARGET_AVX512 {
     __m512 qv[J];
 #pragma GCC unroll 8
-    for (int j = 0; j < J; j++) qv[j] = _mm512_maskz_loadu_ps(mask(j), q + 16 * j);
-    auto key_lanes = [&](int w) SPEL_TARGET_AVX512 {   // zeros past nb: never read
-      if (w >= nb) return _mm512_setzero_ps();
-      const E* k = A.key<E>(b0 + w, h);
-      __m512 a = _mm512_mul_ps(qv[0], load16(mask(0), k));
+    for (int j = 0; j < J; j++) qv[j] = chunk16<float, TAIL>(tail, j == J - 1, q + 16 * j);
+    __m512 kl[BK];   // key w's 16 lanes; zeros past nb (never read)
+#pragma GCC unroll 16
+    for (int w = 0; w < BK; w++) {
+      if (w < nb) {
+        const E* k = A.key<E>(b0 + w, h);
+        __m512 a = _mm512_mul_ps(qv[0], chunk16<E, TAIL>(tail, J == 1, k));
 #pragma GCC unroll 8
-      for (int j = 1; j < J; j++) a = _mm512_fmadd_ps(qv[j], load16(mask(j), k + 16 * j), a);
-      return a;
-    };
-    auto quad = [&](int w) SPEL_TARGET_AVX512 {
-      return pair2(pair1(key_lanes(w), key_lanes(w + 1)), pair1(key_lanes(w + 2), key_lanes(w + 3)));
-    };
-    const __m512 sums = last_pair(pair3(quad(0), quad(4)), pair3(quad(8), quad(12)));
+        for (int j = 1; j < J; j++) a = _mm512_fmadd_ps(qv[j], chunk16<E, TAIL>(tail, j == J - 1, k + 16 * j), a);
+        kl[w] = a;
+      } else {
+        kl[w] = _mm512_setzero_ps();
+      }
+    }
+    const __m512 sums = last_pair(pair3(pair2(pair1(kl[0], kl[1]), pair1(kl[2], kl[3])),
+                                        pair2(pair1(kl[4], kl[5]), pair1(kl[6], kl[7]))),
+                                  pair3(pair2(pair1(kl[8], kl[9]), pair1(kl[10], kl[11])),
+                                        pair2(pair1(kl[12], kl[13]), pair1(kl[14], kl[15]))));
     const __mmask16 live = static_cast<__mmask16>(nb == BK ? 0xFFFF : (1u << nb) - 1);
     const __m512 s = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), live, _mm512_mul_ps(sums, _mm512_set1_ps(A.c)));
     const float mx = std::max(m_run, _mm512_reduce_max_ps(s));
-    const __m512 al = _mm512_set1_ps(exp2_nonpos(m_run - mx));
+    const __m512 al = exp2_nonpos16(_mm512_set1_ps(m_run - mx));   // exp2_nonpos's bits, in every lane
     m_run = mx;
     const __m512 pv = _mm512_maskz_mov_ps(live, exp2_nonpos16(_mm512_sub_ps(s, _mm512_set1_ps(mx))));
     _mm512_storeu_ps(lanes, _mm512_fmadd_ps(_mm512_loadu_ps(lanes), al, pv));
@@ -242,12 +259,14 @@ SPEL_TARGET_AVX512 void attend_avx512(const AttendArgs& A, Running& R) {
       const __m512 pw = _mm512_set1_ps(p[w]);
       __m512* x = (w & 1) ? o : e;
 #pragma GCC unroll 8
-      for (int j = 0; j < J; j++) x[j] = _mm512_fmadd_ps(pw, load16(mask(j), v + 16 * j), x[j]);
+      for (int j = 0; j < J; j++) x[j] = _mm512_fmadd_ps(pw, chunk16<E, TAIL>(tail, j == J - 1, v + 16 * j), x[j]);
     }
 #pragma GCC unroll 8
-    for (int j = 0; j < J; j++)
-      _mm512_mask_storeu_ps(acc + 16 * j, mask(j), _mm512_fmadd_ps(_mm512_maskz_loadu_ps(mask(j), acc + 16 * j), al,
-                                                                   _mm512_add_ps(e[j], o[j])));
+    for (int j = 0; j < J; j++) {
+      const __mmask16 m = TAIL && j == J - 1 ? tail : static_cast<__mmask16>(0xFFFF);
+      _mm512_mask_storeu_ps(acc + 16 * j, m, _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, acc + 16 * j), al,
+                                                             _mm512_add_ps(e[j], o[j])));
+    }
   });
 }
 
@@ -310,7 +329,7 @@ SPEL_TARGET_AVX2_FMA void attend_avx2(const AttendArgs& A, Running& R) {
     const __m256 s0 = _mm256_blendv_ps(ninf, _mm256_mul_ps(eight(0), c), live0);
     const __m256 s1 = _mm256_blendv_ps(ninf, _mm256_mul_ps(eight(8), c), live1);
     const float mx = std::max(m_run, max8(_mm256_max_ps(s0, s1)));
-    const __m256 al = _mm256_set1_ps(exp2_nonpos(m_run - mx));
+    const __m256 al = exp2_nonpos8(_mm256_set1_ps(m_run - mx));   // exp2_nonpos's bits, in every lane
     m_run = mx;
     const __m256 mv = _mm256_set1_ps(mx);
     const __m256 p0 = _mm256_and_ps(live0, exp2_nonpos8(_mm256_sub_ps(s0, mv)));
@@ -335,7 +354,10 @@ template <class E, int J>
 bool attend_simd_for(const AttendArgs& A, Running& R) {
   constexpr bool half = std::is_same<E, uint16_t>::value;
   if (use_avx512() && (!half || A.hd % 16 == 0)) {
-    attend_avx512<E, J>(A, R);
+    if (A.hd % 16)
+      attend_avx512<E, J, true>(A, R);
+    else
+      attend_avx512<E, J, false>(A, R);
     return true;
   }
   if (use_avx2() && HAVE_FMA && A.hd % 16 == 0 && (!half || HAVE_F16C)) {
