@@ -356,8 +356,8 @@ def context_figures(rows) -> dict:
         ctx = r.get("context")
         if r["name"].startswith("target pass, float16") and metric(r, "M") == 5 and ctx == 2048:
             out["half v5@2048"] = metric(r, "v")
-        elif r["name"].startswith("target pass") and metric(r, "M") == 5 and ctx in (64, 2048):
-            out[f"v5@{ctx}"] = metric(r, "v")
+        elif r["name"].startswith("target pass, c") and metric(r, "M") == 5 and ctx in (64, 2048):
+            out[f"v5@{ctx}"] = metric(r, "v")      # the FP32 cache's pass (its name: "..., context N")
         elif r["name"].startswith("AR decode") and ctx in (2048, 4000):
             out[f"ar@{ctx}"] = metric(r, "vs_shortest")
             if metric(r, "half_vs_shortest") is not None:

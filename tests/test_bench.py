@@ -9,7 +9,7 @@ import sys
 import pytest
 
 import spel_mlx  # noqa: F401  (BLAS before mlx.core)
-from bench import common, peers, regimes, run, worker
+from bench import common, peers, regimes, run, tables, worker
 from bench.b2_context import prefill_repeats
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -108,6 +108,10 @@ def test_smoke_b2_by_context(smoke):
     ngram = [r for r in rows if r["name"].startswith("ngram")]
     assert len(ngram) == 1 and ngram[0]["status"] == common.SKIPPED     # random weights: said why
     assert "## B2 by context" in md and "| context | AR pass ms | v(M=2) | v(M=5) |" in md
+    # the goal figures read the FP32 passes, and the float16 ones only where named so
+    figures = tables.context_figures(rows)
+    assert 64 in proto["contexts"] and figures["v5@64"] == passes[(64, 5)]["metrics"]["v"]["median"]
+    assert figures["v5@64"] != half[(64, 5)]["metrics"]["v"]["median"]    # two timings differ
 
 
 def test_smoke_cost_model_beside_every_speculative_row(smoke):
