@@ -498,16 +498,13 @@ def _address(a) -> int:
 
 def test_aligned_copy_starts_on_a_cache_line_and_keeps_every_value():
     E = cpu_ops._spel_cpu
-    offsets = set()
     for shape in [(3, 256, 64), (7,), (2, 3), (1, 1, 1)]:
         a = _rand(shape, 11)
         mx.eval(a)
-        offsets.add(_address(a) % 64)
         b = E.aligned_copy(a)
         assert _address(b) % 64 == 0 and b.shape == a.shape and b.dtype == a.dtype
         assert np.array_equal(np.asarray(b), np.asarray(a))
         assert np.array_equal(np.asarray(b * 2 + 1), np.asarray(a * 2 + 1))   # an ordinary input
-    assert offsets != {0}    # MLX's own buffers are not aligned (the reason for the copy)
     with pytest.raises(ValueError, match="row-contiguous"):
         E.aligned_copy(mx.transpose(_rand((4, 4), 1)))
 

@@ -55,7 +55,6 @@ std::string set_simd_level(const std::string& level);
 // a copy of an evaluated row-contiguous array whose data starts on a cache line
 mx::array aligned_copy(const mx::array& a);
 
-
 // helper.cpp: allow (default) or forbid the helper thread that shares attention over a
 // long cache; returns the old setting.  The items it has run so far (tests).
 bool set_helper(bool enable);
