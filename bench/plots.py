@@ -5,6 +5,7 @@ import os
 
 from . import common
 from .common import metric, select_rows
+from .tables import context_passes
 
 
 def make_plots(results, img_dir) -> tuple:
@@ -140,7 +141,7 @@ def context_plot(results, img_dir, plt) -> str:
     for g in results["params"]["regimes"]:
         rows = [r for r in select_rows(results, "b2ctx", g) if r["status"] == common.OK]
         for kv, style in (("", "-o"), ("float16", "--^")):
-            passes = [r for r in rows if r["name"].startswith("target pass") and (kv in r["name"]) == bool(kv)]
+            passes = context_passes(rows, half=bool(kv))
             for M in sorted({int(metric(r, "M")) for r in passes} - {1}):
                 pts = sorted((metric(r, "context"), metric(r, "v")) for r in passes if metric(r, "M") == M)
                 axes[0].plot([p[0] for p in pts], [p[1] for p in pts], style,

@@ -287,14 +287,18 @@ CONTEXT_GOALS = (("v(K+1=5) at 64 tokens", "v5@64", 1.25, "<="), ("v(K+1=5) at 2
                  ("spec prefill / ar prefill (each length)", "prefill", 1.05, "<="))
 
 
+def context_passes(rows, half: bool) -> list:
+    """The b2ctx pass rows of the FP32 cache, or (half) of the float16 one."""
+    return [r for r in rows if r["name"].startswith("target pass") and ("float16" in r["name"]) == half]
+
+
 def _b2ctx_regime(g, rows) -> list:
     ok = _ok(rows)
     parts = [f"**{g}**", ""]
     if not ok:
         return parts + [f"- {_why(rows[0])}", ""]
-    passes = [r for r in ok if r["name"].startswith("target pass") and "float16" not in r["name"]]
-    half = {(int(metric(r, "context")), int(metric(r, "M"))): r
-            for r in ok if r["name"].startswith("target pass, float16")}
+    passes = context_passes(ok, half=False)
+    half = {(int(metric(r, "context")), int(metric(r, "M"))): r for r in context_passes(ok, half=True)}
     ctxs = sorted({int(metric(r, "context")) for r in passes})
     Ms = sorted({int(metric(r, "M")) for r in passes})
     at = {(int(metric(r, "context")), int(metric(r, "M"))): r for r in passes}
@@ -352,13 +356,14 @@ def _b2ctx_regime(g, rows) -> list:
 def context_figures(rows) -> dict:
     """The goal figures of one regime's b2ctx rows (medians)."""
     out = {}
-    for r in _ok(rows):
+    ok = _ok(rows)
+    for half, key, ctxs in ((False, "v5@{}", (64, 2048)), (True, "half v5@{}", (2048,))):
+        for r in context_passes(ok, half):
+            if metric(r, "M") == 5 and r.get("context") in ctxs:
+                out[key.format(r["context"])] = metric(r, "v")
+    for r in ok:
         ctx = r.get("context")
-        if r["name"].startswith("target pass, float16") and metric(r, "M") == 5 and ctx == 2048:
-            out["half v5@2048"] = metric(r, "v")
-        elif r["name"].startswith("target pass, c") and metric(r, "M") == 5 and ctx in (64, 2048):
-            out[f"v5@{ctx}"] = metric(r, "v")      # the FP32 cache's pass (its name: "..., context N")
-        elif r["name"].startswith("AR decode") and ctx in (2048, 4000):
+        if r["name"].startswith("AR decode") and ctx in (2048, 4000):
             out[f"ar@{ctx}"] = metric(r, "vs_shortest")
             if metric(r, "half_vs_shortest") is not None:
                 out[f"half ar@{ctx}"] = metric(r, "half_vs_shortest")
