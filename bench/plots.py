@@ -5,7 +5,7 @@ import os
 
 from . import common
 from .common import metric, select_rows
-from .tables import context_passes
+from .context_tables import context_passes
 
 
 def make_plots(results, img_dir) -> tuple:

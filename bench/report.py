@@ -9,9 +9,10 @@ from __future__ import annotations
 import os
 
 from . import common
+from .context_tables import b2ctx_section
 from .plots import make_plots
 from .protocol import SECTIONS, protocol
-from .tables import (b1_section, b2_section, b2ctx_section, b3_section, findings, headline, peers_section,
+from .tables import (b1_section, b2_section, b3_section, findings, headline, peers_section,
                      placement_section, problems_section, regime_section)
 
 

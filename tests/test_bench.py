@@ -9,7 +9,7 @@ import sys
 import pytest
 
 import spel_mlx  # noqa: F401  (BLAS before mlx.core)
-from bench import common, peers, regimes, run, tables, worker
+from bench import common, context_tables, peers, regimes, run, worker
 from bench.b2_context import prefill_repeats
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -109,9 +109,9 @@ def test_smoke_b2_by_context(smoke):
     assert len(ngram) == 1 and ngram[0]["status"] == common.SKIPPED     # random weights: said why
     assert "## B2 by context" in md and "| context | AR pass ms | v(M=2) | v(M=5) |" in md
     # the goal figures read the FP32 passes, and the float16 ones only where named so
-    assert {id(r) for r in tables.context_passes(rows, half=False)} == {id(r) for r in passes.values()}
-    assert {id(r) for r in tables.context_passes(rows, half=True)} == {id(r) for r in half.values()}
-    figures = tables.context_figures(rows)
+    assert {id(r) for r in context_tables.context_passes(rows, half=False)} == {id(r) for r in passes.values()}
+    assert {id(r) for r in context_tables.context_passes(rows, half=True)} == {id(r) for r in half.values()}
+    figures = context_tables.context_figures(rows)
     assert 64 in proto["contexts"] and figures["v5@64"] == passes[(64, 5)]["metrics"]["v"]["median"]
     assert figures["v5@64"] != half[(64, 5)]["metrics"]["v"]["median"]    # two timings differ
 
