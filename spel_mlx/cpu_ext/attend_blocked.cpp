@@ -305,21 +305,26 @@ template <class E, int J>
 SPEL_TARGET_AVX2_FMA void attend_avx2(const AttendArgs& A, Running& R) {
   walk<E>(A, R, [&](int64_t b0, int64_t nb, int64_t h, const float* q, float& m_run, float* lanes, float* acc)
                  SPEL_TARGET_AVX2_FMA {
-    auto s8_of = [&](int w) SPEL_TARGET_AVX2_FMA {   // key w's lanes l + (l+8); zeros past nb
-      if (w >= nb) return _mm256_setzero_ps();
-      const E* k = A.key<E>(b0 + w, h);
-      __m256 lo = _mm256_mul_ps(_mm256_loadu_ps(q), load8(k));
-      __m256 hi = _mm256_mul_ps(_mm256_loadu_ps(q + 8), load8(k + 8));
+    __m256 s8[BK];   // key w's lanes l + (l+8), computed first (independent chains); zeros past nb
+#pragma GCC unroll 16
+    for (int w = 0; w < BK; w++) {
+      if (w < nb) {
+        const E* k = A.key<E>(b0 + w, h);
+        __m256 lo = _mm256_mul_ps(_mm256_loadu_ps(q), load8(k));
+        __m256 hi = _mm256_mul_ps(_mm256_loadu_ps(q + 8), load8(k + 8));
 #pragma GCC unroll 8
-      for (int j = 1; j < J; j++) {
-        lo = _mm256_fmadd_ps(_mm256_loadu_ps(q + 16 * j), load8(k + 16 * j), lo);
-        hi = _mm256_fmadd_ps(_mm256_loadu_ps(q + 16 * j + 8), load8(k + 16 * j + 8), hi);
+        for (int j = 1; j < J; j++) {
+          lo = _mm256_fmadd_ps(_mm256_loadu_ps(q + 16 * j), load8(k + 16 * j), lo);
+          hi = _mm256_fmadd_ps(_mm256_loadu_ps(q + 16 * j + 8), load8(k + 16 * j + 8), hi);
+        }
+        s8[w] = _mm256_add_ps(lo, hi);
+      } else {
+        s8[w] = _mm256_setzero_ps();
       }
-      return _mm256_add_ps(lo, hi);
-    };
-    auto eight = [&](int w) SPEL_TARGET_AVX2_FMA {
-      return last_sum8(pair_sum8(quad_sum8(s8_of(w), s8_of(w + 1)), quad_sum8(s8_of(w + 2), s8_of(w + 3))),
-                       pair_sum8(quad_sum8(s8_of(w + 4), s8_of(w + 5)), quad_sum8(s8_of(w + 6), s8_of(w + 7))));
+    }
+    auto eight = [&s8](int w) SPEL_TARGET_AVX2_FMA {
+      return last_sum8(pair_sum8(quad_sum8(s8[w], s8[w + 1]), quad_sum8(s8[w + 2], s8[w + 3])),
+                       pair_sum8(quad_sum8(s8[w + 4], s8[w + 5]), quad_sum8(s8[w + 6], s8[w + 7])));
     };
     const __m256 c = _mm256_set1_ps(A.c), ninf = _mm256_set1_ps(-INFINITY);
     const __m256i idx = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
