@@ -215,59 +215,115 @@ SPEL_TARGET_AVX512 inline __m512 chunk16(__mmask16 tail, bool last, const E* p) 
     return load16(tail, p);
 }
 
+// A row of hd elements as J vectors of 16 floats.
 template <class E, int J, bool TAIL>
-SPEL_TARGET_AVX512 void attend_avx512(const AttendArgs& A, Running& R) {
-  const __mmask16 tail = static_cast<__mmask16>(A.hd % 16 ? (1u << (A.hd % 16)) - 1 : 0xFFFF);
-  walk<E>(A, R, [&](int64_t b0, int64_t nb, int64_t h, const float* q, float& m_run, float* lanes, float* acc)
-                 SPEL_TARGET_AVX512 {
-    __m512 qv[J];
+SPEL_TARGET_AVX512 __attribute__((always_inline)) inline void row_chunks(__mmask16 tail, const E* p,
+                                                                       __m512* out) {
 #pragma GCC unroll 8
-    for (int j = 0; j < J; j++) qv[j] = chunk16<float, TAIL>(tail, j == J - 1, q + 16 * j);
-    __m512 kl[BK];   // key w's 16 lanes; zeros past nb (never read)
+  for (int j = 0; j < J; j++) out[j] = chunk16<E, TAIL>(tail, j == J - 1, p + 16 * j);
+}
+
+// One block for NQ queries of one head (NQ = 2: two queries that see the whole block,
+// sharing each key and value load; every query's operations are those of NQ = 1).
+template <class E, int J, bool TAIL, int NQ>
+SPEL_TARGET_AVX512 inline void block_avx512(const AttendArgs& A, __mmask16 tail, int64_t b0, int64_t nb, int64_t h,
+                                            const float* const* q, float* const* m_run, float* const* lanes,
+                                            float* const* acc) {
+  __m512 qv[NQ][J];
+#pragma GCC unroll 2
+  for (int n = 0; n < NQ; n++) row_chunks<float, J, TAIL>(tail, q[n], qv[n]);
+  __m512 kl[NQ][BK];   // key w's 16 lanes per query; zeros past nb (never read)
 #pragma GCC unroll 16
-    for (int w = 0; w < BK; w++) {
-      if (w < nb) {
-        const E* k = A.key<E>(b0 + w, h);
-        __m512 a = _mm512_mul_ps(qv[0], chunk16<E, TAIL>(tail, J == 1, k));
+  for (int w = 0; w < BK; w++) {
+    if (w < nb) {
+      __m512 kc[J];
+      row_chunks<E, J, TAIL>(tail, A.key<E>(b0 + w, h), kc);
+#pragma GCC unroll 2
+      for (int n = 0; n < NQ; n++) {
+        __m512 a = _mm512_mul_ps(qv[n][0], kc[0]);
 #pragma GCC unroll 8
-        for (int j = 1; j < J; j++) a = _mm512_fmadd_ps(qv[j], chunk16<E, TAIL>(tail, j == J - 1, k + 16 * j), a);
-        kl[w] = a;
-      } else {
-        kl[w] = _mm512_setzero_ps();
+        for (int j = 1; j < J; j++) a = _mm512_fmadd_ps(qv[n][j], kc[j], a);
+        kl[n][w] = a;
       }
+    } else {
+#pragma GCC unroll 2
+      for (int n = 0; n < NQ; n++) kl[n][w] = _mm512_setzero_ps();
     }
-    const __m512 sums = last_pair(pair3(pair2(pair1(kl[0], kl[1]), pair1(kl[2], kl[3])),
-                                        pair2(pair1(kl[4], kl[5]), pair1(kl[6], kl[7]))),
-                                  pair3(pair2(pair1(kl[8], kl[9]), pair1(kl[10], kl[11])),
-                                        pair2(pair1(kl[12], kl[13]), pair1(kl[14], kl[15]))));
-    const __mmask16 live = static_cast<__mmask16>(nb == BK ? 0xFFFF : (1u << nb) - 1);
+  }
+  const __mmask16 live = static_cast<__mmask16>(nb == BK ? 0xFFFF : (1u << nb) - 1);
+  __m512 al[NQ];
+  alignas(64) float p[NQ][BK];
+#pragma GCC unroll 2
+  for (int n = 0; n < NQ; n++) {
+    const __m512* x = kl[n];
+    const __m512 sums = last_pair(pair3(pair2(pair1(x[0], x[1]), pair1(x[2], x[3])),
+                                        pair2(pair1(x[4], x[5]), pair1(x[6], x[7]))),
+                                  pair3(pair2(pair1(x[8], x[9]), pair1(x[10], x[11])),
+                                        pair2(pair1(x[12], x[13]), pair1(x[14], x[15]))));
     const __m512 s = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), live, _mm512_mul_ps(sums, _mm512_set1_ps(A.c)));
-    const float mx = std::max(m_run, _mm512_reduce_max_ps(s));
-    const __m512 al = exp2_nonpos16(_mm512_set1_ps(m_run - mx));   // exp2_nonpos's bits, in every lane
-    m_run = mx;
+    const float mx = std::max(*m_run[n], _mm512_reduce_max_ps(s));
+    al[n] = exp2_nonpos16(_mm512_set1_ps(*m_run[n] - mx));   // exp2_nonpos's bits, in every lane
+    *m_run[n] = mx;
     const __m512 pv = _mm512_maskz_mov_ps(live, exp2_nonpos16(_mm512_sub_ps(s, _mm512_set1_ps(mx))));
-    _mm512_storeu_ps(lanes, _mm512_fmadd_ps(_mm512_loadu_ps(lanes), al, pv));
-    alignas(64) float p[BK];
-    _mm512_store_ps(p, pv);
-    __m512 e[J], o[J];
+    _mm512_storeu_ps(lanes[n], _mm512_fmadd_ps(_mm512_loadu_ps(lanes[n]), al[n], pv));
+    _mm512_store_ps(p[n], pv);
+  }
+  __m512 e[NQ][J], o[NQ][J];
+#pragma GCC unroll 2
+  for (int n = 0; n < NQ; n++)
 #pragma GCC unroll 8
-    for (int j = 0; j < J; j++) e[j] = o[j] = _mm512_setzero_ps();
+    for (int j = 0; j < J; j++) e[n][j] = o[n][j] = _mm512_setzero_ps();
 #pragma GCC unroll 16
-    for (int w = 0; w < BK; w++) {
-      if (w >= nb) break;
-      const E* v = A.value<E>(b0 + w, h);
-      const __m512 pw = _mm512_set1_ps(p[w]);
-      __m512* x = (w & 1) ? o : e;
+  for (int w = 0; w < BK; w++) {
+    if (w >= nb) break;
+    __m512 vc[J];
+    row_chunks<E, J, TAIL>(tail, A.value<E>(b0 + w, h), vc);
+#pragma GCC unroll 2
+    for (int n = 0; n < NQ; n++) {
+      const __m512 pw = _mm512_set1_ps(p[n][w]);
+      __m512* x = (w & 1) ? o[n] : e[n];
 #pragma GCC unroll 8
-      for (int j = 0; j < J; j++) x[j] = _mm512_fmadd_ps(pw, chunk16<E, TAIL>(tail, j == J - 1, v + 16 * j), x[j]);
+      for (int j = 0; j < J; j++) x[j] = _mm512_fmadd_ps(pw, vc[j], x[j]);
     }
+  }
+#pragma GCC unroll 2
+  for (int n = 0; n < NQ; n++)
 #pragma GCC unroll 8
     for (int j = 0; j < J; j++) {
       const __mmask16 m = TAIL && j == J - 1 ? tail : static_cast<__mmask16>(0xFFFF);
-      _mm512_mask_storeu_ps(acc + 16 * j, m, _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, acc + 16 * j), al,
-                                                             _mm512_add_ps(e[j], o[j])));
+      _mm512_mask_storeu_ps(acc[n] + 16 * j, m, _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, acc[n] + 16 * j), al[n],
+                                                                _mm512_add_ps(e[n][j], o[n][j])));
     }
-  });
+}
+
+// The walk of `walk`, two queries at a time where both see the whole block.
+template <class E, int J, bool TAIL>
+SPEL_TARGET_AVX512 void attend_avx512(const AttendArgs& A, Running& R) {
+  const __mmask16 tail = static_cast<__mmask16>(A.hd % 16 ? (1u << (A.hd % 16)) - 1 : 0xFFFF);
+  const int64_t end = std::min(A.visible(A.M - 1), A.k_end);
+  const bool touch = A.visible(A.M - 1) >= TOUCH_FROM;
+  for (int64_t b0 = A.k_begin; b0 < end; b0 += BK) {
+    if (touch) touch_block<E>(A, b0, std::min<int64_t>(BK, end - b0));
+    for (int64_t h = 0; h < A.H; h++)
+      for (int64_t m = 0; m < A.M;) {
+        const int64_t nb = std::min<int64_t>(BK, std::min(A.visible(m), A.k_end) - b0);
+        if (nb <= 0) {
+          m++;
+          continue;
+        }
+        const bool pair = nb == BK && m + 1 < A.M && std::min(A.visible(m + 1), A.k_end) - b0 >= BK;
+        const int64_t r = m * A.H + h, r2 = pair ? r + A.H : r;   // rows of R: query m's, the next's
+        const float* q[2] = {A.Q + r * A.hd, A.Q + r2 * A.hd};
+        float* mr[2] = {&R.m[r], &R.m[r2]};
+        float* ln[2] = {R.lanes.data() + r * BK, R.lanes.data() + r2 * BK};
+        float* ac[2] = {R.acc.data() + r * A.hd, R.acc.data() + r2 * A.hd};
+        if (pair)
+          block_avx512<E, J, TAIL, 2>(A, tail, b0, nb, h, q, mr, ln, ac);
+        else
+          block_avx512<E, J, TAIL, 1>(A, tail, b0, nb, h, q, mr, ln, ac);
+        m += pair ? 2 : 1;
+      }
+  }
 }
 
 // --- AVX2 + FMA (hd a multiple of 16): the 16 lanes as two 8-lane halves ----------------
