@@ -27,6 +27,7 @@
 // and at the end o[d] = acc[d] / (halving tree of lanes).
 #include <algorithm>
 #include <cmath>
+#include <cstddef>
 #include <cstring>
 #include <type_traits>
 #include <vector>
@@ -100,9 +101,11 @@ inline void touch_block(const AttendArgs& A, int64_t b0, int64_t nb) {
 }
 
 // The walk every variant shares: the chunk's key blocks in order, then heads, then the
-// queries that see the block; block(b0, nb, h, q, m_run, lanes, acc) does one (query, head).
-template <class E, class Block>
-void walk(const AttendArgs& A, Running& R, Block block) {
+// queries that see the block; block(b0, nb, h, q, m_run, lanes, acc) does one (query, head),
+// and pair(b0, h, r, r2), where given, two queries that both see the whole block (R's rows
+// r and r2 = r + H), each with the operations `block` would do.
+template <class E, class Block, class Pair = std::nullptr_t>
+void walk(const AttendArgs& A, Running& R, Block block, Pair pair = nullptr) {
   const int64_t end = std::min(A.visible(A.M - 1), A.k_end);
   const bool touch = A.visible(A.M - 1) >= TOUCH_FROM;
   for (int64_t b0 = A.k_begin; b0 < end; b0 += BK) {
@@ -112,6 +115,13 @@ void walk(const AttendArgs& A, Running& R, Block block) {
         const int64_t nb = std::min<int64_t>(BK, std::min(A.visible(m), A.k_end) - b0);
         if (nb <= 0) continue;
         const int64_t r = m * A.H + h;
+        if constexpr (!std::is_same<Pair, std::nullptr_t>::value) {
+          if (nb == BK && m + 1 < A.M && std::min(A.visible(m + 1), A.k_end) - b0 >= BK) {
+            pair(b0, h, r, r + A.H);
+            m++;
+            continue;
+          }
+        }
         block(b0, nb, h, A.Q + r * A.hd, R.m[r], R.lanes.data() + r * BK, R.acc.data() + r * A.hd);
       }
   }
@@ -296,34 +306,27 @@ SPEL_TARGET_AVX512 inline void block_avx512(const AttendArgs& A, __mmask16 tail,
     }
 }
 
-// The walk of `walk`, two queries at a time where both see the whole block.
+// Two queries at a time where both see the whole block.
 template <class E, int J, bool TAIL>
 SPEL_TARGET_AVX512 void attend_avx512(const AttendArgs& A, Running& R) {
   const __mmask16 tail = static_cast<__mmask16>(A.hd % 16 ? (1u << (A.hd % 16)) - 1 : 0xFFFF);
-  const int64_t end = std::min(A.visible(A.M - 1), A.k_end);
-  const bool touch = A.visible(A.M - 1) >= TOUCH_FROM;
-  for (int64_t b0 = A.k_begin; b0 < end; b0 += BK) {
-    if (touch) touch_block<E>(A, b0, std::min<int64_t>(BK, end - b0));
-    for (int64_t h = 0; h < A.H; h++)
-      for (int64_t m = 0; m < A.M;) {
-        const int64_t nb = std::min<int64_t>(BK, std::min(A.visible(m), A.k_end) - b0);
-        if (nb <= 0) {
-          m++;
-          continue;
-        }
-        const bool pair = nb == BK && m + 1 < A.M && std::min(A.visible(m + 1), A.k_end) - b0 >= BK;
-        const int64_t r = m * A.H + h, r2 = pair ? r + A.H : r;   // rows of R: query m's, the next's
-        const float* q[2] = {A.Q + r * A.hd, A.Q + r2 * A.hd};
+  walk<E>(
+      A, R,
+      [&](int64_t b0, int64_t nb, int64_t h, const float* q, float& m_run, float* lanes, float* acc)
+          SPEL_TARGET_AVX512 {
+            const float* qs[1] = {q};
+            float* mr[1] = {&m_run};
+            float* ln[1] = {lanes};
+            float* ac[1] = {acc};
+            block_avx512<E, J, TAIL, 1>(A, tail, b0, nb, h, qs, mr, ln, ac);
+          },
+      [&](int64_t b0, int64_t h, int64_t r, int64_t r2) SPEL_TARGET_AVX512 {
+        const float* qs[2] = {A.Q + r * A.hd, A.Q + r2 * A.hd};
         float* mr[2] = {&R.m[r], &R.m[r2]};
         float* ln[2] = {R.lanes.data() + r * BK, R.lanes.data() + r2 * BK};
         float* ac[2] = {R.acc.data() + r * A.hd, R.acc.data() + r2 * A.hd};
-        if (pair)
-          block_avx512<E, J, TAIL, 2>(A, tail, b0, nb, h, q, mr, ln, ac);
-        else
-          block_avx512<E, J, TAIL, 1>(A, tail, b0, nb, h, q, mr, ln, ac);
-        m += pair ? 2 : 1;
-      }
-  }
+        block_avx512<E, J, TAIL, 2>(A, tail, b0, BK, h, qs, mr, ln, ac);
+      });
 }
 
 // --- AVX2 + FMA (hd a multiple of 16): the 16 lanes as two 8-lane halves ----------------
