@@ -8,6 +8,10 @@ of CPUs without AVX-512 (or without SIMD) on a machine that has it.
 SPEL_ATTENTION_HELPER=0 keeps the target's attention over a long cache on one thread
 (default 1: its key chunks are shared with a helper thread when the process may use two
 CPUs; the same bits either way).
+
+SPEL_HALF_WEIGHTS=0 keeps the target's weight blocks in float32 (default 1: a matrix
+whose every weight is exactly a binary16 value, as a float16 checkpoint's are, is read
+by the AVX-512 tiles as binary16, widened exactly: the same bits, half the bytes).
 """
 from __future__ import annotations
 
@@ -33,3 +37,7 @@ def env_switch(name: str) -> bool:
 
 def attention_helper() -> bool:
     return env_switch("SPEL_ATTENTION_HELPER")
+
+
+def half_weights() -> bool:
+    return env_switch("SPEL_HALF_WEIGHTS")

@@ -96,7 +96,10 @@ void check_f32(const mx::array& a, const char* op, const char* what, int ndim) {
 }
 
 void check_blocks(const mx::array& b, const char* op, const char* what, int64_t d_in) {
-  check_f32(b, op, what, 3);
+  if (b.dtype() != mx::float32 && b.dtype() != mx::float16)
+    throw std::invalid_argument(std::string(op) + ": " + what + " blocks must be float32 or float16");
+  if (b.ndim() != 3)
+    throw std::invalid_argument(std::string(op) + ": " + what + " blocks must have 3 dimensions");
   if (b.shape(1) != d_in)
     throw std::invalid_argument(std::string(op) + ": " + what + " blocks must be [nb, " + std::to_string(d_in) + ", rb]");
   if (!b.flags().row_contiguous)

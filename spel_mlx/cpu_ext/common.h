@@ -117,6 +117,7 @@ void prewake_helper();
 
 // Argument checks of the ops: a clear ValueError naming the op and the argument.
 void check_f32(const mx::array& a, const char* op, const char* what, int ndim);
+// weight blocks [nb, d_in, rb], float32 or float16 (exact binary16 weights), contiguous
 void check_blocks(const mx::array& b, const char* op, const char* what, int64_t d_in);
 
 // a 2-D array's rows as one contiguous [R, C] block, a 1-D array as a contiguous

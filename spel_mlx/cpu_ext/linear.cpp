@@ -1,13 +1,17 @@
 // linear: x @ W^T from the contiguous row blocks [nb, in, rb] of model.Linear, one node
 // writing the [M, out] result in place (no broadcast of x, no reshape or transposed
 // copy).  The product is the AVX-512 tiles where the CPU has them, else one BLAS sgemm
-// per block (as MLX's batched matmul makes).
+// per block (as MLX's batched matmul makes).  The blocks hold float32, or binary16 where
+// every weight of the matrix is exactly a binary16 value (model.Linear checks): each is
+// widened exactly as it is read, so both give the same bits, and the tiles read half the
+// bytes (a pass's weights then stay in the L3 cache).
 #include <algorithm>
 #include <atomic>
 #include <cmath>
 #include <memory>
 #include <stdexcept>
 #include <string>
+#include <type_traits>
 
 #include "common.h"
 #include "kernels.h"
@@ -25,13 +29,26 @@ namespace {
 
 std::atomic<int> linear_mode{0};   // 0 auto, 1 the fmaf reference (tests), 2 OpenBLAS
 
+// Row blocks [nb, K, rb] of float32 or binary16 weights.
+struct Blocks {
+  const void* p;
+  int64_t nb, K, rb;
+  bool half;
+  explicit Blocks(const mx::array& b)
+      : p(b.data<void>()), nb(b.shape(0)), K(b.shape(1)), rb(b.shape(2)), half(b.dtype() == mx::float16) {}
+};
+
+inline float weight_at(const float* W, int64_t i) { return W[i]; }
+inline float weight_at(const uint16_t* W, int64_t i) { return half_to_float(W[i]); }
+
 // The products of linear_avx512, one fmaf chain per element (its reference).
-void linear_fma_ref(const float* X, int64_t M, int64_t K, const float* Wb, int64_t nb, int64_t rb, float* Y) {
+template <class E>
+void linear_fma_ref(const float* X, int64_t M, int64_t K, const E* Wb, int64_t nb, int64_t rb, float* Y) {
   for (int64_t b = 0; b < nb; b++)
     for (int64_t m = 0; m < M; m++)
       for (int64_t c = 0; c < rb; c++) {
         float acc = 0.0f;
-        for (int64_t k = 0; k < K; k++) acc = std::fma(X[m * K + k], Wb[(b * K + k) * rb + c], acc);
+        for (int64_t k = 0; k < K; k++) acc = std::fma(X[m * K + k], weight_at(Wb, (b * K + k) * rb + c), acc);
         Y[m * nb * rb + b * rb + c] = acc;
       }
 }
@@ -42,8 +59,13 @@ void linear_fma_ref(const float* X, int64_t M, int64_t K, const float* Wb, int64
 // fused-multiply-add chain over k in order, so a row's result does not depend on
 // M or on the tiling (fast K+1 rows equal single-token rows, bit for bit).
 #if SPEL_AVX2
-template <int MR, int NC>
-SPEL_TARGET_AVX512 void tile_avx512(const float* X, int64_t K, const float* W, int64_t rb, float* Y, int64_t ldy) {
+SPEL_TARGET_AVX512 inline __m512 load16(const float* W) { return _mm512_loadu_ps(W); }
+SPEL_TARGET_AVX512 inline __m512 load16(const uint16_t* W) {   // binary16 widened exactly
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(W)));
+}
+
+template <int MR, int NC, class E>
+SPEL_TARGET_AVX512 void tile_avx512(const float* X, int64_t K, const E* W, int64_t rb, float* Y, int64_t ldy) {
   __m512 acc[MR][NC];
 #pragma GCC unroll 8
   for (int m = 0; m < MR; m++)
@@ -52,7 +74,7 @@ SPEL_TARGET_AVX512 void tile_avx512(const float* X, int64_t K, const float* W, i
   for (int64_t k = 0; k < K; k++) {
     __m512 w[NC];
 #pragma GCC unroll 4
-    for (int c = 0; c < NC; c++) w[c] = _mm512_loadu_ps(W + k * rb + 16 * c);
+    for (int c = 0; c < NC; c++) w[c] = load16(W + k * rb + 16 * c);
 #pragma GCC unroll 8
     for (int m = 0; m < MR; m++) {
       const __m512 xb = _mm512_set1_ps(X[m * K + k]);
@@ -66,8 +88,8 @@ SPEL_TARGET_AVX512 void tile_avx512(const float* X, int64_t K, const float* W, i
     for (int c = 0; c < NC; c++) _mm512_storeu_ps(Y + m * ldy + 16 * c, acc[m][c]);
 }
 
-template <int MR>
-SPEL_TARGET_AVX512 void tile_avx512_cols(int nc, const float* X, int64_t K, const float* W, int64_t rb, float* Y,
+template <int MR, class E>
+SPEL_TARGET_AVX512 void tile_avx512_cols(int nc, const float* X, int64_t K, const E* W, int64_t rb, float* Y,
                                          int64_t ldy) {
   switch (nc) {
     case 4: tile_avx512<MR, 4>(X, K, W, rb, Y, ldy); break;
@@ -77,11 +99,12 @@ SPEL_TARGET_AVX512 void tile_avx512_cols(int nc, const float* X, int64_t K, cons
   }
 }
 
-SPEL_TARGET_AVX512 void linear_avx512(const float* X, int64_t M, int64_t K, const float* Wb, int64_t nb, int64_t rb,
+template <class E>
+SPEL_TARGET_AVX512 void linear_avx512(const float* X, int64_t M, int64_t K, const E* Wb, int64_t nb, int64_t rb,
                                       float* Y) {
   const int64_t ldy = nb * rb;
   for (int64_t b = 0; b < nb; b++) {
-    const float* W = Wb + b * K * rb;
+    const E* W = Wb + b * K * rb;
     for (int64_t c0 = 0; c0 < rb; c0 += 64) {
       const int nc = static_cast<int>(std::min<int64_t>(4, (rb - c0) / 16));
       for (int64_t r0 = 0; r0 < M; r0 += 6) {
@@ -101,11 +124,12 @@ SPEL_TARGET_AVX512 void linear_avx512(const float* X, int64_t M, int64_t K, cons
 }
 #endif
 
-// Y [M, nb*rb] = X [M, d_in] (contiguous) times the row blocks Wb [nb, d_in, rb]:
-// the AVX-512 tiles when the CPU has them (blocks of whole 16-column vectors), else
-// one BLAS sgemm per block.
-inline void linear_body(const float* X, int64_t M, int64_t d_in, const float* Wb, int64_t nb, int64_t rb,
-                        float* Y) {
+// Y [M, nb*rb] = X [M, d_in] (contiguous) times the row blocks: the AVX-512 tiles when
+// the CPU has them (blocks of whole 16-column vectors), else one BLAS sgemm per block
+// (binary16 blocks widened into a float32 copy first).
+template <class E>
+void linear_typed(const float* X, int64_t M, const E* Wb, const Blocks& B, float* Y) {
+  const int64_t d_in = B.K, nb = B.nb, rb = B.rb;
   const int mode = linear_mode.load(std::memory_order_relaxed);
   if (mode == 1) {
     linear_fma_ref(X, M, d_in, Wb, nb, rb, Y);
@@ -117,9 +141,26 @@ inline void linear_body(const float* X, int64_t M, int64_t d_in, const float* Wb
     return;
   }
 #endif
-  for (int64_t b = 0; b < nb; b++)
-    cblas_sgemm(CBLAS_ROW_MAJOR, CBLAS_NO_TRANS, CBLAS_NO_TRANS, M, rb, d_in, 1.0f, X, d_in,
-                Wb + b * d_in * rb, rb, 0.0f, Y + b * rb, nb * rb);
+  std::vector<float> wide;
+  for (int64_t b = 0; b < nb; b++) {
+    const float* W;
+    if constexpr (std::is_same_v<E, float>) {
+      W = Wb + b * d_in * rb;
+    } else {
+      wide.resize(d_in * rb);
+      for (int64_t i = 0; i < d_in * rb; i++) wide[i] = weight_at(Wb, b * d_in * rb + i);
+      W = wide.data();
+    }
+    cblas_sgemm(CBLAS_ROW_MAJOR, CBLAS_NO_TRANS, CBLAS_NO_TRANS, M, rb, d_in, 1.0f, X, d_in, W, rb, 0.0f,
+                Y + b * rb, nb * rb);
+  }
+}
+
+inline void linear_body(const float* X, int64_t M, const Blocks& B, float* Y) {
+  if (B.half)
+    linear_typed(X, M, static_cast<const uint16_t*>(B.p), B, Y);
+  else
+    linear_typed(X, M, static_cast<const float*>(B.p), B, Y);
 }
 
 class SpelLinear : public CpuPrimitive {
@@ -131,9 +172,7 @@ class SpelLinear : public CpuPrimitive {
   Task task() const override {
     return [](const std::vector<mx::array>& in, std::vector<mx::array>& out) {
       std::vector<float> xc;
-      const mx::array& wb = in[1];
-      linear_body(contiguous_2d(in[0], xc), in[0].shape(0), in[0].shape(1), wb.data<float>(), wb.shape(0),
-                  wb.shape(2), out[0].data<float>());
+      linear_body(contiguous_2d(in[0], xc), in[0].shape(0), Blocks(in[1]), out[0].data<float>());
     };
   }
 };
@@ -142,16 +181,12 @@ class SpelLinear : public CpuPrimitive {
 
 void linear_into(const float* X, int64_t M, const mx::array& blocks, float* Y) {
   ProfScope prof(P_IN_LINEAR);   // the sub-blocks' products, inside their own time
-  linear_body(X, M, blocks.shape(1), blocks.data<float>(), blocks.shape(0), blocks.shape(2), Y);
+  linear_body(X, M, Blocks(blocks), Y);
 }
 
 mx::array linear(const mx::array& x, const mx::array& blocks) {
   check_f32(x, "linear", "x", 2);
-  check_f32(blocks, "linear", "weight blocks", 3);
-  if (blocks.shape(1) != x.shape(1))
-    throw std::invalid_argument("linear: weight blocks [nb, in, rb] for x [M, in]");
-  if (!blocks.flags().row_contiguous)
-    throw std::invalid_argument("linear: the weight blocks must be a contiguous (evaluated) array");
+  check_blocks(blocks, "linear", "weight", x.shape(1));
   return mx::array({x.shape(0), blocks.shape(0) * blocks.shape(2)}, mx::float32,
                    std::make_shared<SpelLinear>(cpu_stream()), {x, blocks});
 }

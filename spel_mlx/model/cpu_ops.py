@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 
+from .. import cpu_features
 from ..cpu_features import attention_helper, simd_cap
 from .ops import MLXOps
 
@@ -47,10 +48,14 @@ class CPUFusedOps(MLXOps):
     name = "cpu-fused"
     windowed = False          # attention reads the rows each query sees, blocked over keys
 
-    def __init__(self):
+    def __init__(self, half_weights: bool | None = None):
+        """``half_weights`` (None: SPEL_HALF_WEIGHTS, on by default): the AVX-512 tiles
+        read a matrix whose weights are all exactly binary16 from float16 blocks (the
+        same bits as float32 blocks, half the bytes: a pass's weights stay in L3)."""
         ok, why = status()
         if not ok:
             raise RuntimeError(why)
+        self.half_weights = cpu_features.half_weights() if half_weights is None else bool(half_weights)
 
     # --- whole residual halves: one node each, the separate primitives' kernels ---------
     def mixer_block(self, blk, x, cache):
@@ -97,7 +102,9 @@ class CPUFusedOps(MLXOps):
 
     # --- single primitives ---------------------------------------------------------------
     def prepare_linear(self, lin, M: int) -> None:
-        lin.warm(self.layout_rows(M), blocks=True, place=_spel_cpu.aligned_copy)   # blocks on cache lines
+        # blocks on cache lines; binary16 only for the tiles (the BLAS would widen them per call)
+        lin.warm(self.layout_rows(M), blocks=True, place=_spel_cpu.aligned_copy,
+                 half=self.half_weights and bool(_spel_cpu.fma_chain_linear()))
 
     def linear(self, x, lin):
         blocks = self._blocks(x, lin)

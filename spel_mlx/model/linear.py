@@ -84,16 +84,28 @@ class Linear(nn.Module):
 
     def layouts(self) -> list:
         """The warm layouts built so far (what the CPU products read)."""
-        return list(self._cache().values())
+        return [v for v in self._cache().values() if isinstance(v, mx.array)]
 
-    def warm(self, M: int, blocks: bool = False, place=None) -> None:
+    def exactly_half(self) -> bool:
+        """Whether every weight is exactly a binary16 value (a float16 checkpoint's
+        are): float16 blocks then hold the same numbers in half the bytes."""
+        cache = self._cache()
+        if "half" not in cache:
+            W = self.weight
+            cache["half"] = bool(mx.all(W.astype(mx.float16).astype(W.dtype) == W).item())
+        return cache["half"]
+
+    def warm(self, M: int, blocks: bool = False, place=None, half: bool = False) -> None:
         """Build the layout an M-row product uses; ``blocks``: also as one 3-D
         [nb, in, rb] array (a single block for a plain W^T), what the fused CPU
-        primitives read, copied by ``place`` (an evaluated array -> its copy) if given."""
+        primitives read, copied by ``place`` (an evaluated array -> its copy) if given;
+        ``half``: as float16 where the weights are exactly binary16 (``exactly_half``)."""
         rb = row_block(*self.weight.shape, M)
         view = self.weight_view(rb, warm=True)
         cache = self._cache()
         if blocks and ("3d", rb) not in cache:
             b3 = mx.contiguous(view if rb is not None else view.reshape(1, *view.shape))
+            if half and self.exactly_half():
+                b3 = b3.astype(mx.float16)
             mx.eval(b3)
             cache[("3d", rb)] = b3 if place is None else place(b3)
