@@ -140,6 +140,17 @@ class DecodeState:
         """(S, tail) the next token starts from: the last written slot."""
         return self.slot_gdn(layer, (self.read + self.pending) % self.ring)
 
+    def current_gdn_rows(self, layer: int) -> tuple:
+        """``current_gdn`` without slicing a stacked slot: ((S, tail), (S row, tail row)),
+        where a row >= 0 is the row of a pass's stacked output the slot holds and -1 an
+        array of its own (a backend reading rows in place makes no slice nodes)."""
+        slot = (self.read + self.pending) % self.ring
+        arrays, rows = [], []
+        for a in (self.ring_S[layer][slot], self.ring_tail[layer][slot]):
+            arrays.append(a.stack if isinstance(a, _Row) else a)
+            rows.append(a.j if isinstance(a, _Row) else -1)
+        return arrays, rows
+
     def write_gdn(self, layer: int, S_list, tail_list) -> None:
         """Store the states after each new token in the slots after the current one."""
         for j, (S, tail) in enumerate(zip(S_list, tail_list)):

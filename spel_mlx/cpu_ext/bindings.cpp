@@ -2,6 +2,8 @@
 // that mx.array objects pass both ways).  spel_mlx/model/cpu_ops.py is its caller.
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/map.h>
+#include <nanobind/stl/optional.h>
+#include <nanobind/stl/tuple.h>
 #include <nanobind/stl/pair.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/vector.h>
@@ -24,7 +26,8 @@ NB_MODULE(_spel_cpu, m) {
   m.def("ffn_block", &ffn_block, nb::arg("h"), nb::arg("norm"), nb::arg("w1"), nb::arg("w3"), nb::arg("w2"),
         nb::arg("eps"));
   m.def("gdn_block", &gdn_block, nb::arg("x"), nb::arg("norm"), nb::arg("tail"), nb::arg("conv"),
-        nb::arg("wqkv"), nb::arg("a"), nb::arg("beta"), nb::arg("S0"), nb::arg("wo"), nb::arg("eps"));
+        nb::arg("wqkv"), nb::arg("a"), nb::arg("beta"), nb::arg("S0"), nb::arg("wo"), nb::arg("eps"),
+        nb::arg("s_row") = -1, nb::arg("t_row") = -1);
   m.def("attn_qkv", &attn_qkv, nb::arg("x"), nb::arg("norm"), nb::arg("wqkv"), nb::arg("pos0"), nb::arg("cos"),
         nb::arg("sin"), nb::arg("n_heads"), nb::arg("eps"));
   m.def("attn_out", &attn_out, nb::arg("x"), nb::arg("q"), nb::arg("k_cache"), nb::arg("v_cache"), nb::arg("pos0"),
@@ -44,5 +47,20 @@ NB_MODULE(_spel_cpu, m) {
   m.def("helper_items_run", &helper_items_run, "Items the helper thread has run so far");
   m.def("profile", &profile, nb::arg("enable"),
         "Time the primitives' bodies (enable); returns and resets {kind: (calls, seconds)}");
+  nb::class_<PlanLayer>(m, "PlanLayer")
+      .def(nb::init<bool, float, float, std::vector<mx::array>>(), nb::arg("gdn"), nb::arg("eps_mixer"),
+           nb::arg("eps_ffn"), nb::arg("arrays"));
+  nb::class_<PassPlan>(m, "PassPlan", "A stack's decoding pass, built node for node by one call")
+      .def(nb::init<std::optional<mx::array>, std::vector<PlanLayer>, std::vector<mx::array>, float>(),
+           nb::arg("embedding").none(), nb::arg("layers"), nb::arg("head"), nb::arg("head_eps"))
+      .def(
+          "__call__",
+          [](const PassPlan& p, const mx::array& inputs, const mx::array& pos, const std::vector<mx::array>& gdn_in,
+             const std::vector<int>& gdn_rows, const std::vector<mx::array>& kv_in) {
+            PassOutputs o = p.run(inputs, pos, gdn_in, gdn_rows, kv_in);
+            return std::make_tuple(o.logits, o.gdn, o.kv, o.qk);
+          },
+          nb::arg("inputs"), nb::arg("pos"), nb::arg("gdn_in"), nb::arg("gdn_rows"), nb::arg("kv_in"),
+          "(logits or activations, [states, tails per GDN layer], [keys, values per attention layer], [q, k per GDN layer])");
   m.def("attend", &attend, nb::arg("q"), nb::arg("k_cache"), nb::arg("v_cache"), nb::arg("pos0"));
 }

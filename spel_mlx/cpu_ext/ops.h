@@ -5,6 +5,7 @@
 
 #include <cstdint>
 #include <map>
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -44,7 +45,39 @@ mx::array ffn_block(const mx::array& h, const mx::array& norm, const mx::array& 
                     const mx::array& w2, float eps);
 std::vector<mx::array> gdn_block(const mx::array& x, const mx::array& norm, const mx::array& tail,
                                  const mx::array& conv_w, const mx::array& wqkv, const mx::array& a,
-                                 const mx::array& beta, const mx::array& S0, const mx::array& wo, float eps);
+                                 const mx::array& beta, const mx::array& S0, const mx::array& wo, float eps,
+                                 int s_row = -1, int t_row = -1);
+
+// pass_plan.cpp: a stack's whole decoding pass, the nodes above built by one call.
+// A layer's arrays: GDN attn_norm, conv, wqkv, a, beta, wo, ffn_norm, w1, w3, w2 (weight
+// blocks as the fused ops read them); attention attn_norm, wqkv, cos, sin, wo, ffn_norm,
+// w1, w3, w2.  No embedding: the inputs are activations [M, d]; no head: the output is.
+struct PlanLayer {
+  bool gdn;
+  float eps_mixer, eps_ffn;
+  std::vector<mx::array> w;
+};
+struct PassOutputs {
+  mx::array logits = mx::array(0.0f);
+  std::vector<mx::array> gdn, kv, qk;   // (states, tails) / (keys, values) / (q, k) per layer
+};
+class PassPlan {
+ public:
+  PassPlan(std::optional<mx::array> emb, std::vector<PlanLayer> layers, std::vector<mx::array> head,
+           float head_eps);
+  // inputs: int32 token ids [M] (activations [M, d] without an embedding); pos: int32 [1]
+  // or a scalar, the position of row 0; gdn_in: (S, tail) per GDN layer, each unstacked
+  // (its row -1 in gdn_rows) or a row of a stacked array; kv_in: (keys, values) per
+  // attention layer
+  PassOutputs run(const mx::array& inputs, const mx::array& pos, const std::vector<mx::array>& gdn_in,
+                  const std::vector<int>& gdn_rows, const std::vector<mx::array>& kv_in) const;
+
+ private:
+  std::optional<mx::array> emb_;
+  std::vector<PlanLayer> layers_;
+  std::vector<mx::array> head_;
+  float head_eps_;
+};
 
 // common.cpp: timing of the bodies ({kind: (calls, seconds)} so far, then reset), the
 // SIMD variant in use ("avx512", "avx2" or "none") and the switch to the scalar references

@@ -38,6 +38,12 @@ class MLXOps:
         """h + w2(silu(w1 hn) * (w3 hn)), hn = rmsnorm(h, ffn_norm)."""
         return h + blk.mlp(self.rms_norm(h, blk.ffn_norm.weight, blk.ffn_norm.eps), self)
 
+    def pass_plan(self, model, layers: list, M: int):
+        """A whole M-row pass over ``layers`` built by the backend in one call, with the
+        signature and outputs of ``passes.make_pass``'s function; None (here): the layers
+        run through these methods, traced once by ``mx.compile``."""
+        return None
+
     # --- projections, norms, gate --------------------------------------------------
     def prepare_linear(self, lin, M: int) -> None:
         """Build, outside any trace, the weight layout an M-row ``linear`` reads."""

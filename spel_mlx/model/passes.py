@@ -75,7 +75,8 @@ def rows(a, M: int) -> list:
 
 def make_pass(model, stack: str, M: int, win: int | None):
     """The function of one M-row pass over ``stack`` with attention window ``win``
-    (None: the whole cache)."""
+    (None: the whole cache), and whether it is the backend's plan (``ops.pass_plan``),
+    which takes the GDN slots as (arrays, rows) and reads stacked rows in place."""
     ops = model.ops
     layers = model.stack_layers(stack)
     for blk in layers:       # constants built now, captured by the trace
@@ -86,6 +87,9 @@ def make_pass(model, stack: str, M: int, win: int | None):
     for lin in lins:
         ops.prepare_linear(lin, M)
     huge_pages.back([a for lin in lins for a in lin.layouts()])
+    plan = ops.pass_plan(model, layers, M)
+    if plan is not None:
+        return plan, True
 
     def one_pass(tokens, pos, gdn_in, kv_in):
         gdn_it, kv_it = iter(gdn_in), iter(kv_in)
@@ -97,7 +101,7 @@ def make_pass(model, stack: str, M: int, win: int | None):
         return (logits, [a for c in gdn for a in c.outputs(M)], [a for c in kv for a in (c.keys, c.values)],
                 [a for c in gdn for a in (c.q, c.k)])
 
-    return mx.compile(one_pass) if model.compile else one_pass
+    return (mx.compile(one_pass) if model.compile else one_pass), False
 
 
 def run_pass(model, toks, state, dispatch: bool = True):
@@ -114,16 +118,26 @@ def run_pass(model, toks, state, dispatch: bool = True):
     win = window(base + M, model.cfg.max_seq) if model.ops.windowed else None
     # device: row blocks are CPU-only
     key = (state.stack, M, win, str(mx.default_device()), state.kv_dtype)
-    fn = model._compiled.get(key)
-    if fn is None:
-        fn = model._compiled[key] = make_pass(model, state.stack, M, win)
+    made = model._compiled.get(key)
+    if made is None:
+        made = model._compiled[key] = make_pass(model, state.stack, M, win)
         model.passes_built += 1
-    gdn_in, kv_in = [], []
+    fn, plan = made
+    gdn_in, gdn_rows, kv_in = [], [], []
     for li in state.gdn_layers:
-        gdn_in.extend(state.current_gdn(li))
+        if plan:
+            arrays, rows_ = state.current_gdn_rows(li)
+            gdn_in.extend(arrays)
+            gdn_rows.extend(rows_)
+        else:
+            gdn_in.extend(state.current_gdn(li))
     for li in state.attn_layers:
         kv_in.extend(state.kv(li))
-    logits, gdn_out, kv_out, qk = fn(inputs, mx.array(base, dtype=mx.int32), gdn_in, kv_in)
+    pos = mx.array(base, dtype=mx.int32)
+    if plan:
+        logits, gdn_out, kv_out, qk = fn(inputs, pos, gdn_in, gdn_rows, kv_in)
+    else:
+        logits, gdn_out, kv_out, qk = fn(inputs, pos, gdn_in, kv_in)
     del kv_in   # only the pass may reference the old caches: MLX then updates them in place
     for n, li in enumerate(state.attn_layers):
         state.set_kv(li, kv_out[2 * n], kv_out[2 * n + 1])
