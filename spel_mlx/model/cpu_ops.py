@@ -86,7 +86,7 @@ class CPUFusedOps(MLXOps):
 
     def pass_plan(self, model, layers: list, M: int):
         """The whole pass as ``_spel_cpu.PassPlan``: the nodes mixer_block and ffn_block
-        build, made by one C++ call (replaying their compiled trace cost 0.2-0.4 ms a pass);
+        build, made by one C++ call (faster than replaying their compiled trace);
         None where a weight has no warm blocks for M rows (the traced pass then runs)."""
         rows = self.layout_rows(M)
         plan = []
