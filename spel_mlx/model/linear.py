@@ -96,14 +96,19 @@ class Linear(nn.Module):
         return cache["half"]
 
     def warm(self, M: int, blocks: bool = False, place=None, half: bool = False) -> None:
-        """Build the layout an M-row product uses; ``blocks``: also as one 3-D
+        """Build the layout an M-row product uses; ``blocks``: instead, one 3-D
         [nb, in, rb] array (a single block for a plain W^T), what the fused CPU
         primitives read, copied by ``place`` (an evaluated array -> its copy) if given;
         ``half``: as float16 where the weights are exactly binary16 (``exactly_half``)."""
         rb = row_block(*self.weight.shape, M)
-        view = self.weight_view(rb, warm=True)
         cache = self._cache()
-        if blocks and ("3d", rb) not in cache:
+        if not blocks:
+            self.weight_view(rb, warm=True)
+            return
+        if ("3d", rb) not in cache:
+            # from the strided view: a contiguous float32 layout kept beside the blocks
+            # would be a second copy of the weights that no product reads
+            view = self.weight_view(rb)
             b3 = mx.contiguous(view if rb is not None else view.reshape(1, *view.shape))
             if half and self.exactly_half():
                 b3 = b3.astype(mx.float16)
