@@ -158,8 +158,9 @@ def test_greedy_spec_builds_its_next_verification_ahead(shipped, monkeypatch):
     """With the continuation always awaited (a slow machine may find it late and build
     nothing): every call's tokens are `ar`'s, with and without stop tokens, for the C
     draft and `auto`; built passes are used, dropped before they ran (a rejection) and
-    after (the call's end, auto's n-gram taking over), and nothing stays pending."""
-    from spel_mlx.decoding import make_proposer
+    after (the call's end, auto's n-gram taking over), and nothing stays pending.  Every
+    round drafts (the cost governor's timed suspensions would decide the counts)."""
+    from spel_mlx.decoding import GovernorConfig, make_proposer
     from spel_mlx.decoding.target import TargetRunner
     loaded, tok = shipped
     model = loaded.model
@@ -177,7 +178,8 @@ def test_greedy_spec_builds_its_next_verification_ahead(shipped, monkeypatch):
         decs = {}
         for lookahead in (True, False):
             decs[lookahead] = SpeculativeDecoder(
-                model, make_proposer(kind, model, weights=loaded.weights, k=4, threads=1, ahead=True), "spec")
+                model, make_proposer(kind, model, weights=loaded.weights, k=4, threads=1, ahead=True), "spec",
+                governor=GovernorConfig(policy="off"))
             decs[lookahead].lookahead = lookahead
         for text in TEXTS:
             p = tok.encode(text)
@@ -227,8 +229,10 @@ def test_greedy_spec_building_ahead_keeps_the_caches_in_place(shipped, monkeypat
 def test_sampled_spec_builds_ahead_with_the_same_tokens(shipped, monkeypatch, accept):
     """A sampled round's next proposal is the continuation drafted from the context and
     noise a full acceptance leaves: built from it, the seeded text is the same as one
-    round at a time (both rules: their draws are indexed by position, not by round)."""
-    from spel_mlx.decoding import make_proposer
+    round at a time (both rules: their draws are indexed by position, not by round).
+    Every round drafts (the coupled rule's cost governor would suspend drafting by the
+    machine's timing, and with it the count of passes built ahead)."""
+    from spel_mlx.decoding import GovernorConfig, make_proposer
     from spel_mlx.decoding.sampling import SamplingParams
     loaded, tok = shipped
     model = loaded.model
@@ -239,7 +243,8 @@ def test_sampled_spec_builds_ahead_with_the_same_tokens(shipped, monkeypatch, ac
         outs = {}
         for lookahead in (True, False):
             dec = SpeculativeDecoder(model, make_proposer("c", model, weights=loaded.weights, k=4, threads=1,
-                                                          ahead=True), "spec", params=params)
+                                                          ahead=True), "spec", params=params,
+                                     governor=GovernorConfig(policy="off"))
             dec.lookahead = lookahead
             outs[lookahead] = [dec.generate(tok.encode(text), 60) for text in TEXTS[:2]]
             used += dec.stats.extra.get("built_ahead", 0) if lookahead else 0
