@@ -534,7 +534,7 @@ def test_strict_batches_run_as_one_pass_only_when_rows_are_independent(models, a
     assert not plain.rows_independent("target", 5)                  # MLXOps
     calls = []
     orig = fused._run
-    fused._run = lambda toks_, st: (calls.append(len(toks_)), orig(toks_, st))[1]
+    fused._run = lambda toks_, st, *a: (calls.append(len(toks_)), orig(toks_, st, *a))[1]
     try:
         assert np.array_equal(_decode(fused, toks, True, 5), seq)
         assert calls and set(calls) == {5}                            # one 5-row pass per batch

@@ -69,6 +69,40 @@ def test_the_plan_gives_the_bits_of_the_traced_pass(kv):
     assert not isinstance(traced._compiled[key][0], E.PassPlan)
 
 
+def test_q_and_k_only_when_captured():
+    """Without a capture the plan makes no q/k arrays (5 -> 3 outputs per GDN block) and
+    the logits, caches and states keep their bits; a capture's q/k are the traced pass's."""
+    toks = list(np.random.default_rng(3).integers(0, CFG.vocab, 40))
+    plan, traced = _model(cpu_ops.CPUFusedOps()), _model(TracedOps())
+    for M in (1, 5):
+        st_p, st_t = plan.new_state(ring=18), traced.new_state(ring=18)
+        for m, st in ((plan, st_p), (traced, st_t)):
+            m.prefill(toks, st)
+        cap_p, cap_t = {}, {}
+        with_qk = np.array(plan.forward(toks[:M], st_p, capture=cap_p))
+        want = np.array(traced.forward(toks[:M], st_t, capture=cap_t))
+        assert set(cap_p) == set(cap_t) == set(range(0, CFG.n_layers, 2))
+        for li in cap_p:
+            assert all(_same(np.array(cap_p[li][n]), np.array(cap_t[li][n])) for n in ("q", "k"))
+        st_p.discard()
+        without = np.array(plan.forward(toks[:M], st_p))
+        assert _same(with_qk, want) and _same(without, want)
+        li = st_p.gdn_layers[0]
+        arrays, _ = st_p.current_gdn_rows(li)
+        assert arrays[0].shape[0] == M          # the states, stacked per row, are still written
+    m = next(v[0] for k, v in plan._compiled.items() if isinstance(k, tuple) and k[:2] == ("target", 1))
+    st = plan.new_state(ring=4)
+    args = (mx.array([1], dtype=mx.int32), mx.array(0, dtype=mx.int32))
+    gdn_in, rows = [], []
+    for li in st.gdn_layers:
+        a, r = st.current_gdn_rows(li)
+        gdn_in += a
+        rows += r
+    kv = [a for li in st.attn_layers for a in st.kv(li)]
+    assert len(m(*args, gdn_in, rows, kv)[3]) == 2 * len(st.gdn_layers)
+    assert m(*args, gdn_in, rows, kv, qk=False)[3] == []
+
+
 def test_a_pass_reads_its_slot_in_place():
     """The slot the next pass starts from stays a row of the stacked states (no slice)."""
     m = _model(cpu_ops.CPUFusedOps())

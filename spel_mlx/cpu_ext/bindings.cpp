@@ -27,7 +27,7 @@ NB_MODULE(_spel_cpu, m) {
         nb::arg("eps"));
   m.def("gdn_block", &gdn_block, nb::arg("x"), nb::arg("norm"), nb::arg("tail"), nb::arg("conv"),
         nb::arg("wqkv"), nb::arg("a"), nb::arg("beta"), nb::arg("S0"), nb::arg("wo"), nb::arg("eps"),
-        nb::arg("s_row") = -1, nb::arg("t_row") = -1);
+        nb::arg("s_row") = -1, nb::arg("t_row") = -1, nb::arg("with_qk") = true);
   m.def("attn_qkv", &attn_qkv, nb::arg("x"), nb::arg("norm"), nb::arg("wqkv"), nb::arg("pos0"), nb::arg("cos"),
         nb::arg("sin"), nb::arg("n_heads"), nb::arg("eps"));
   m.def("attn_out", &attn_out, nb::arg("x"), nb::arg("q"), nb::arg("k_cache"), nb::arg("v_cache"), nb::arg("pos0"),
@@ -56,11 +56,13 @@ NB_MODULE(_spel_cpu, m) {
       .def(
           "__call__",
           [](const PassPlan& p, const mx::array& inputs, const mx::array& pos, const std::vector<mx::array>& gdn_in,
-             const std::vector<int>& gdn_rows, const std::vector<mx::array>& kv_in) {
-            PassOutputs o = p.run(inputs, pos, gdn_in, gdn_rows, kv_in);
+             const std::vector<int>& gdn_rows, const std::vector<mx::array>& kv_in, bool qk) {
+            PassOutputs o = p.run(inputs, pos, gdn_in, gdn_rows, kv_in, qk);
             return std::make_tuple(o.logits, o.gdn, o.kv, o.qk);
           },
           nb::arg("inputs"), nb::arg("pos"), nb::arg("gdn_in"), nb::arg("gdn_rows"), nb::arg("kv_in"),
-          "(logits or activations, [states, tails per GDN layer], [keys, values per attention layer], [q, k per GDN layer])");
+          nb::arg("qk") = true,
+          "(logits or activations, [states, tails per GDN layer], [keys, values per attention layer], [q, k per "
+          "GDN layer, or none when qk is False])");
   m.def("attend", &attend, nb::arg("q"), nb::arg("k_cache"), nb::arg("v_cache"), nb::arg("pos0"));
 }

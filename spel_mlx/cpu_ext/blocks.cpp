@@ -37,11 +37,13 @@ View slot_view(const mx::array& a, int row) {
 
 // in: x [M,d], norm [d], tail [2,d], conv [3,d], wqkv blocks, a [H], beta [H],
 // S0 [H,hd,hd], wo blocks (tail and S0: or rows of stacked arrays); out: x + wo(o),
-// S_all, tails, unit q, unit k
+// S_all, tails, and (5 outputs) unit q, unit k
 void gdn_body(const std::vector<mx::array>& in, std::vector<mx::array>& out, float eps, int s_row, int t_row) {
   const int64_t M = in[0].shape(0), d = in[0].shape(1), H = in[5].shape(0), hd = in[7].shape(in[7].ndim() - 1);
   const int64_t inner = H * hd;
-  std::vector<float> xb, wb, xn(M * d), u(M * d), qkv(M * 3 * inner), o(M * inner), y(M * d);
+  std::vector<float> xb, wb, xn(M * d), u(M * d), qkv(M * 3 * inner), o(M * inner), y(M * d), qk;
+  const bool with_qk = out.size() == 5;
+  if (!with_qk) qk.resize(2 * M * inner);   // the delta rule's unit q, k, which nothing reads
   const float* x = contiguous_2d(in[0], xb);
   rms_rows(x, contiguous_1d(in[1], wb), xn.data(), M, d, eps);
   conv_body(View(xn.data(), d, 1), slot_view(in[2], t_row), View(in[3]), M, d, u.data(), out[2].data<float>());
@@ -49,7 +51,8 @@ void gdn_body(const std::vector<mx::array>& in, std::vector<mx::array>& out, flo
   {
     ProfScope prof(P_IN_DELTA);
     gdn_delta_body(View(qkv.data(), 3 * inner, 1), View(in[5]), View(in[6]), slot_view(in[7], s_row), M, H, hd, o.data(),
-                   out[1].data<float>(), out[3].data<float>(), out[4].data<float>());
+                   out[1].data<float>(), with_qk ? out[3].data<float>() : qk.data(),
+                   with_qk ? out[4].data<float>() : qk.data() + M * inner);
   }
   linear_into(o.data(), M, in[8], y.data());
   float* xo = out[0].data<float>();
@@ -103,7 +106,7 @@ mx::array ffn_block(const mx::array& h, const mx::array& norm, const mx::array& 
 std::vector<mx::array> gdn_block(const mx::array& x, const mx::array& norm, const mx::array& tail,
                                  const mx::array& conv_w, const mx::array& wqkv, const mx::array& a,
                                  const mx::array& beta, const mx::array& S0, const mx::array& wo, float eps,
-                                 int s_row, int t_row) {
+                                 int s_row, int t_row, bool with_qk) {
   check_f32(x, "gdn_block", "x", 2);
   check_f32(norm, "gdn_block", "norm", 1);
   check_f32(tail, "gdn_block", "tail", t_row < 0 ? 2 : 3);
@@ -122,8 +125,9 @@ std::vector<mx::array> gdn_block(const mx::array& x, const mx::array& norm, cons
       wqkv.shape(0) * wqkv.shape(2) != 3 * H * hd || wo.shape(0) * wo.shape(2) != d)
     throw std::invalid_argument("gdn_block: expected norm [d], tail [2, d], conv [3, d], wqkv [d -> 3*H*hd], "
                                 "a and beta [H], S0 [H, hd, hd], wo [H*hd -> d] for x [M, d]");
-  return mx::array::make_arrays({{M, d}, {M, H, hd, hd}, {M, 2, d}, {M, H, hd}, {M, H, hd}},
-                                {mx::float32, mx::float32, mx::float32, mx::float32, mx::float32},
+  std::vector<mx::Shape> shapes = {{M, d}, {M, H, hd, hd}, {M, 2, d}};
+  if (with_qk) shapes.insert(shapes.end(), {{M, H, hd}, {M, H, hd}});
+  return mx::array::make_arrays(shapes, std::vector<mx::Dtype>(shapes.size(), mx::float32),
                                 std::make_shared<SpelBlock>(cpu_stream(), SpelBlock::GDN, eps, s_row, t_row),
                                 {x, norm, tail, conv_w, wqkv, a, beta, S0, wo});
 }

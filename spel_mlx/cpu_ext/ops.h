@@ -46,7 +46,7 @@ mx::array ffn_block(const mx::array& h, const mx::array& norm, const mx::array& 
 std::vector<mx::array> gdn_block(const mx::array& x, const mx::array& norm, const mx::array& tail,
                                  const mx::array& conv_w, const mx::array& wqkv, const mx::array& a,
                                  const mx::array& beta, const mx::array& S0, const mx::array& wo, float eps,
-                                 int s_row = -1, int t_row = -1);
+                                 int s_row = -1, int t_row = -1, bool with_qk = true);
 
 // pass_plan.cpp: a stack's whole decoding pass, the nodes above built by one call.
 // A layer's arrays: GDN attn_norm, conv, wqkv, a, beta, wo, ffn_norm, w1, w3, w2 (weight
@@ -68,9 +68,9 @@ class PassPlan {
   // inputs: int32 token ids [M] (activations [M, d] without an embedding); pos: int32 [1]
   // or a scalar, the position of row 0; gdn_in: (S, tail) per GDN layer, each unstacked
   // (its row -1 in gdn_rows) or a row of a stacked array; kv_in: (keys, values) per
-  // attention layer
+  // attention layer; qk: also the GDN layers' unit q and k (what a capture reads)
   PassOutputs run(const mx::array& inputs, const mx::array& pos, const std::vector<mx::array>& gdn_in,
-                  const std::vector<int>& gdn_rows, const std::vector<mx::array>& kv_in) const;
+                  const std::vector<int>& gdn_rows, const std::vector<mx::array>& kv_in, bool qk = true) const;
 
  private:
   std::optional<mx::array> emb_;

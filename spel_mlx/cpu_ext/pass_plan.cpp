@@ -26,7 +26,7 @@ PassPlan::PassPlan(std::optional<mx::array> emb, std::vector<PlanLayer> layers, 
 }
 
 PassOutputs PassPlan::run(const mx::array& inputs, const mx::array& pos, const std::vector<mx::array>& gdn_in,
-                          const std::vector<int>& gdn_rows, const std::vector<mx::array>& kv_in) const {
+                          const std::vector<int>& gdn_rows, const std::vector<mx::array>& kv_in, bool qk) const {
   size_t n_gdn = 0;
   for (const PlanLayer& L : layers_) n_gdn += L.gdn;
   if (gdn_in.size() != 2 * n_gdn || gdn_rows.size() != gdn_in.size() || kv_in.size() != 2 * (layers_.size() - n_gdn))
@@ -40,11 +40,11 @@ PassOutputs PassPlan::run(const mx::array& inputs, const mx::array& pos, const s
     mx::array h = x;
     if (L.gdn) {   // w: attn_norm, conv, wqkv, a, beta, wo, ffn_norm, w1, w3, w2
       std::vector<mx::array> g = gdn_block(x, w[0], gdn_in[gi + 1], w[1], w[2], w[3], w[4], gdn_in[gi], w[5],
-                                           L.eps_mixer, gdn_rows[gi], gdn_rows[gi + 1]);
+                                           L.eps_mixer, gdn_rows[gi], gdn_rows[gi + 1], qk);
       gi += 2;
       h = g[0];
       out.gdn.insert(out.gdn.end(), {g[1], g[2]});
-      out.qk.insert(out.qk.end(), {g[3], g[4]});
+      if (qk) out.qk.insert(out.qk.end(), {g[3], g[4]});
     } else {       // w: attn_norm, wqkv, cos, sin, wo, ffn_norm, w1, w3, w2
       mx::array keys = kv_in[ki], values = kv_in[ki + 1];
       ki += 2;

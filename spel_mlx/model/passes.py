@@ -104,14 +104,15 @@ def make_pass(model, stack: str, M: int, win: int | None):
     return (mx.compile(one_pass) if model.compile else one_pass), False
 
 
-def run_pass(model, toks, state, dispatch: bool = True):
+def run_pass(model, toks, state, dispatch: bool = True, capture: bool = False):
     """One pass of M rows after the state's last written position; writes the new
     KV rows and GDN slots into the state.  ``toks``: M token ids (a list, or an int32
     [M] array that may not be computed yet), or the input activations [M, d] of a
     pipeline stage after the first.  Returns the stack's output (logits) and the q/k
     of each GDN layer.  ``dispatch=False`` builds the pass without starting it: the
     caller evaluates the logits later (the KV caches are then updated in place only if
-    no earlier pass still holds them)."""
+    no earlier pass still holds them).  ``capture``: also return the GDN layers' q/k
+    ({} otherwise: the backend's plan then makes no arrays for them)."""
     inputs = toks if isinstance(toks, mx.array) else mx.array(toks, dtype=mx.int32)
     M = inputs.shape[0]
     base = state.pos + state.pending
@@ -135,7 +136,7 @@ def run_pass(model, toks, state, dispatch: bool = True):
         kv_in.extend(state.kv(li))
     pos = mx.array(base, dtype=mx.int32)
     if plan:
-        logits, gdn_out, kv_out, qk = fn(inputs, pos, gdn_in, gdn_rows, kv_in)
+        logits, gdn_out, kv_out, qk = fn(inputs, pos, gdn_in, gdn_rows, kv_in, capture)
     else:
         logits, gdn_out, kv_out, qk = fn(inputs, pos, gdn_in, kv_in)
     del kv_in   # only the pass may reference the old caches: MLX then updates them in place
@@ -149,7 +150,8 @@ def run_pass(model, toks, state, dispatch: bool = True):
         else:
             state.write_gdn(li, gdn_out[at:at + M], gdn_out[at + M:at + 2 * M])
             at += 2 * M
-        captured[li] = {"q": qk[2 * n], "k": qk[2 * n + 1]}
+        if capture:
+            captured[li] = {"q": qk[2 * n], "k": qk[2 * n + 1]}
     state.advance(M)
     # the GDN slots stay lazy: the next pass evaluates the one it starts from, and a
     # rejected token's state (chunked delta rule) is never computed

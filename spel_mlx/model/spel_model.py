@@ -163,13 +163,13 @@ class SpelModel(nn.Module):
         M = len(toks)
         state.check_room(M)
         if M == 1 or not strict or self.rows_independent(stack, M):
-            logits, qk = self._run(toks, state)
+            logits, qk = self._run(toks, state, capture is not None)
             if capture is not None:
                 capture.update(qk)
             return logits
         rows, qks = [], []
         for t in toks:
-            logits, qk = self._run([t], state)
+            logits, qk = self._run([t], state, capture is not None)
             rows.append(logits)
             qks.append(qk)
         if capture is not None:
@@ -224,8 +224,8 @@ class SpelModel(nn.Module):
             state.commit(len(chunk))
         return logits[-1]
 
-    def _run(self, toks: list, state: DecodeState):
-        return run_pass(self, toks, state)
+    def _run(self, toks: list, state: DecodeState, capture: bool = False):
+        return run_pass(self, toks, state, capture=capture)
 
 
 def _token_list(tokens, vocab: int) -> list:
