@@ -73,7 +73,9 @@ def test_policy_off_drafts_plainly_with_the_same_output(shipped_c_run):
     dec = SpeculativeDecoder(model, draft, "spec", k=4, governor=GovernorConfig(policy="off"))
     assert dec.generate(prompt, 60) == ref
     assert dec.stats.extra["ahead_hits"] == 0
-    draft.policy = AheadPolicy(AheadConfig(first_retry=3), start_ahead=False)
+    # tried after 3 plain rounds and then kept (min_rounds: no timed switch-off, which
+    # a loaded machine could make before the first hit)
+    draft.policy = AheadPolicy(AheadConfig(first_retry=3, min_rounds=10**9), start_ahead=False)
     assert dec.generate(prompt, 60) == ref
     assert dec.stats.extra["ahead_hits"] > 0
     draft.close()
