@@ -118,7 +118,9 @@ def test_decoder_leaves_the_governor_memory_on_its_proposer(monkeypatch):
     draft = MLXProposer(model, "draft", ring=4)
     assert draft.governor_memory is None
     SpeculativeDecoder(model, draft, "spec", k=3).generate(prompts[0], 12)
-    assert isinstance(draft.governor_memory, gv.GovernorMemory) and draft.governor_memory.ar_seconds
+    # (its AR time may be None: on a loaded machine a drafting round can time below the AR
+    # rounds, which drops the reference; the unit tests above feed the times)
+    assert isinstance(draft.governor_memory, gv.GovernorMemory)
     # a new decoder around the same proposer (the API builds one per call) starts from it
     before, seen, real = draft.governor_memory, [], loop.make_governor
     monkeypatch.setattr(loop, "make_governor", lambda *a: seen.append(a[3]) or real(*a))
