@@ -1,6 +1,7 @@
-"""Greedy `ar` with the next pass built from the lazy argmax (TargetRunner.greedy_tokens):
-the same tokens, stop reasons and state as one verification per round, and the KV
-caches still updated in place."""
+"""`ar` with the next pass built while the one before runs (TargetRunner.ar_tokens):
+greedy from the lazy argmax, sampling and penalties from host token ids set once the
+host has chosen; the same tokens, stop reasons and state as one verification per round,
+and the KV caches still updated in place."""
 import numpy as np
 import pytest
 
@@ -8,6 +9,7 @@ import spel_mlx  # noqa: F401
 import mlx.core as mx
 from spel_mlx.config import ModelConfig
 from spel_mlx.decoding.loop import SpeculativeDecoder
+from spel_mlx.decoding.sampling import SamplingParams
 from spel_mlx.model import SpelModel, init_weights
 
 CFG = ModelConfig(d_model=64, n_layers=4, n_heads=2, head_dim=32, d_ff=96, vocab=64,
@@ -23,8 +25,13 @@ def prompt(n, seed):
     return [int(t) for t in np.random.default_rng(seed).integers(0, CFG.vocab, n)]
 
 
-def decode(model, lookahead, p, n, strict=False, stop=(), rounds=None):
-    dec = SpeculativeDecoder(model, None, "ar", strict=strict)
+SAMPLED = SamplingParams(temperature=0.7, top_p=0.95, repetition_penalty=1.1, seed=3)
+PENALIZED = SamplingParams(repetition_penalty=1.3)        # greedy, but not the plain argmax
+PARAMS = {"greedy": SamplingParams(), "sampled": SAMPLED, "penalized": PENALIZED}
+
+
+def decode(model, lookahead, p, n, strict=False, stop=(), rounds=None, params=SamplingParams()):
+    dec = SpeculativeDecoder(model, None, "ar", strict=strict, params=params)
     dec.lookahead = lookahead
     out = dec.generate(p, n, stop_tokens=stop, on_round=None if rounds is None else rounds.append)
     st = dec.target.state
@@ -33,27 +40,88 @@ def decode(model, lookahead, p, n, strict=False, stop=(), rounds=None):
 
 @pytest.mark.parametrize("n", [0, 1, 2, 37])
 @pytest.mark.parametrize("strict", [False, True])
-def test_same_tokens_and_state_as_one_round_at_a_time(model, n, strict):
+@pytest.mark.parametrize("params", PARAMS)
+def test_same_tokens_and_state_as_one_round_at_a_time(model, n, strict, params):
     p = prompt(9, n)
-    a = decode(model, True, p, n, strict)
-    b = decode(model, False, p, n, strict)
+    a = decode(model, True, p, n, strict, params=PARAMS[params])
+    b = decode(model, False, p, n, strict, params=PARAMS[params])
     assert a[:3] == b[:3]
     assert len(a[0]) == n and a[2] == (len(p) - 1 + n, len(p) - 1 + n, 0)
     assert a[3].stats.ar_rounds == a[3].stats.rounds == n
 
 
-def test_stop_token_and_max_seq(model):
+def test_sampled_ar_builds_each_pass_on_host_token_ids(model, monkeypatch):
+    """Sampled `ar` looks ahead through host token ids (one per step after the first);
+    the seed decides the text (another seed: another text), one round at a time agrees."""
+    from spel_mlx.decoding.target import TargetRunner
+    made = []
+    plain = SpelModel.host_tokens
+
+    def counting(self, n):
+        made.append(n)
+        return plain(self, n)
+    monkeypatch.setattr(SpelModel, "host_tokens", counting)
+    p = prompt(9, 1)
+    a = decode(model, True, p, 30, params=SAMPLED)
+    ahead = len(made)
+    b = decode(model, False, p, 30, params=SAMPLED)
+    assert a[0] == b[0] and ahead >= 29 and len(made) == ahead      # one round at a time makes none
+    other = decode(model, True, p, 30, params=SamplingParams(temperature=0.7, top_p=0.95,
+                                                             repetition_penalty=1.1, seed=4))
+    assert other[0] != a[0]
+    assert TargetRunner(model, ring=5).looks_ahead_sampled
+
+
+def test_a_pick_that_raises_leaves_the_state_clean(model):
+    """An error while choosing a token (the pass after it is built on ids never set)
+    leaves nothing pending, and the next call decodes as a fresh decoder."""
+    from spel_mlx.decoding.target import TargetRunner
+    p = prompt(11, 2)
+    tr = TargetRunner(model, ring=5)
+    tr.prefill(p[:-1])
+    calls = []
+
+    def pick(row):
+        calls.append(row.shape)
+        if len(calls) == 3:
+            raise RuntimeError("boom")
+        return int(np.argmax(row))
+    with pytest.raises(RuntimeError, match="boom"):
+        list(tr.ar_tokens(p[-1], 10, pick))
+    assert tr.state.pending == 0 and tr.pos == len(p) - 1 + 3 and calls == [(CFG.vocab,)] * 3
+    dec = SpeculativeDecoder(model, None, "ar", params=SAMPLED)
+    assert dec.generate(p, 12) == decode(model, False, p, 12, params=SAMPLED)[0]
+
+
+def test_host_tokens_are_set_once_before_they_are_evaluated(model):
+    ids = model.host_tokens(2)
+    y = ids.array * 2
+    with pytest.raises(RuntimeError, match="before its token ids were set"):
+        mx.eval(y)
+    ids = model.host_tokens(2)
+    y = ids.array * 2
+    with pytest.raises(ValueError, match="expected 2 ids"):
+        ids.set([1])
+    ids.set([3, 5])
+    with pytest.raises(ValueError, match="set already"):
+        ids.set([3, 5])
+    assert y.tolist() == [6, 10]
+
+
+@pytest.mark.parametrize("params", ["greedy", "sampled"])
+def test_stop_token_and_max_seq(model, params):
+    params = PARAMS[params]
     p = prompt(12, 3)
-    full = decode(model, False, p, 40)[0]
+    full = decode(model, False, p, 40, params=params)[0]
     stop = full[17]
     first = full.index(stop)
     rounds = []
-    a = decode(model, True, p, 40, stop=(stop,), rounds=rounds)
+    a = decode(model, True, p, 40, stop=(stop,), rounds=rounds, params=params)
     assert a[0] == full[:first + 1] and a[1] == "stop_token"
     assert a[2] == (len(p) - 1 + first + 1,) * 2 + (0,)          # the pass built ahead was dropped
     assert [r.correction for r in rounds] == a[0] and all(r.proposed == () for r in rounds)
     near = prompt(CFG.max_seq - 5, 4)                            # 6 positions left: 6 tokens
-    a, b = decode(model, True, near, 50), decode(model, False, near, 50)
+    a, b = decode(model, True, near, 50, params=params), decode(model, False, near, 50, params=params)
     assert a[:3] == b[:3] and len(a[0]) == 6 and a[1] == "max_seq"
 
 
@@ -93,12 +161,12 @@ def test_the_governors_ar_rounds_look_ahead_with_the_same_tokens(monkeypatch):
     from spel_mlx.decoding.mlx_proposer import MLXProposer
     from spel_mlx.decoding.target import TargetRunner
     stretches = []
-    plain = TargetRunner.greedy_tokens
+    plain = TargetRunner.ar_tokens
 
-    def spy(self, pending, count):
+    def spy(self, pending, count, pick=None):
         stretches.append(count)
-        yield from plain(self, pending, count)
-    monkeypatch.setattr(TargetRunner, "greedy_tokens", spy)
+        yield from plain(self, pending, count, pick)
+    monkeypatch.setattr(TargetRunner, "ar_tokens", spy)
     toy = ToyModel(V=12, max_seq=400, draft_noise=40.0)
     p = [3, 1, 4, 1, 5]
     for lookahead in (True, False):

@@ -83,7 +83,7 @@ def default_draft(mode: str, params) -> str:
     less: there ``auto`` measured slower).  The MLX draft where the C one is not built.
     docs/decoding.md, "The default draft"."""
     model_draft = "c" if clib.available() else "mlx"
-    plain_greedy = params is not None and params.greedy and not params.uses_penalty
+    plain_greedy = params is not None and params.plain_greedy
     return "auto" if mode == "spec" and plain_greedy else model_draft
 
 

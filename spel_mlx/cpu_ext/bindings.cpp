@@ -64,5 +64,9 @@ NB_MODULE(_spel_cpu, m) {
           nb::arg("qk") = true,
           "(logits or activations, [states, tails per GDN layer], [keys, values per attention layer], [q, k per "
           "GDN layer, or none when qk is False])");
+  nb::class_<HostTokens>(m, "HostTokens", "int32 token ids a graph is built on before they are known")
+      .def(nb::init<int>(), nb::arg("n"))
+      .def_prop_ro("array", &HostTokens::array, "The int32 [n] array (evaluate it only after set)")
+      .def("set", &HostTokens::set, nb::arg("ids"), "The ids, once, before the array is evaluated");
   m.def("attend", &attend, nb::arg("q"), nb::arg("k_cache"), nb::arg("v_cache"), nb::arg("pos0"));
 }

@@ -5,6 +5,7 @@
 
 #include <cstdint>
 #include <map>
+#include <memory>
 #include <optional>
 #include <string>
 #include <utility>
@@ -77,6 +78,20 @@ class PassPlan {
   std::vector<PlanLayer> layers_;
   std::vector<mx::array> head_;
   float head_eps_;
+};
+
+// host_tokens.cpp: an int32 [n] graph input whose ids are set from the host after the
+// graph is built and before it is evaluated (set once; evaluating it unset is an error)
+class HostTokens {
+ public:
+  struct Slot;
+  explicit HostTokens(int n);
+  mx::array array() const { return array_; }
+  void set(const std::vector<int32_t>& ids);
+
+ private:
+  std::shared_ptr<Slot> slot_;
+  mx::array array_;
 };
 
 // common.cpp: timing of the bodies ({kind: (calls, seconds)} so far, then reset), the

@@ -82,7 +82,7 @@ class CDraftProposer(Proposer):
     def _configure(self, params, seed) -> bool:
         """The C draft samples for sampling params or a penalty (argmax otherwise);
         returns whether it samples."""
-        key = None if params.greedy and not params.uses_penalty else (params, seed)
+        key = None if params.plain_greedy else (params, seed)
         if key != self._sampling:
             if key is None:
                 self.cdraft.set_sampling(None)

@@ -107,9 +107,8 @@ class SpeculativeDecoder:
                        if runner is None else runner(ring, strict))
         self.stats = DecodeStats()
         self.output: list = []
-        # greedy `ar` builds each pass while the one before runs, and greedy `spec` the
-        # next verification from the draft's drafted-ahead continuation (False: one
-        # round at a time, as every other mode; the tests compare the two)
+        # `ar` builds each pass while the one before runs, and `spec` the next verification
+        # from the draft's prediction (False: one round at a time; the tests compare the two)
         self.lookahead = True
         self._forced_carry = 0.0
         self._built = None      # the next round's verification, built during this one
@@ -157,9 +156,9 @@ class SpeculativeDecoder:
         self._forced_carry = 0.0
         t_dec = time.perf_counter()
         try:
-            if proposer is None and self._looks_ahead():     # greedy `ar`
+            if proposer is None and self._looks_ahead():     # `ar`
                 count = min(max_tokens, max_seq - self.target.pos)
-                _, stop = self._greedy_ar(history, pending, count, max_tokens, stop_set, on_tokens, on_round)
+                _, stop = self._ar_ahead(history, pending, count, max_tokens, stop_set, on_tokens, on_round)
                 st.stop_reason = ("stop_token" if stop else "max_tokens" if len(out) >= max_tokens
                                   else "max_seq")
             else:
@@ -210,11 +209,11 @@ class SpeculativeDecoder:
             built = self._passes_built()
             k = self._round_k(pos, max_tokens - len(out))
             stretch = self._ar_stretch(gov, k, max_tokens - len(out))
-            if stretch:         # the governor's AR rounds, greedy: looking ahead
+            if stretch:         # the governor's AR rounds, looking ahead
                 self._drop_next()
                 behind = True
-                pending, stop = self._greedy_ar(history, pending, stretch, max_tokens, stop_set,
-                                                on_tokens, on_round, gov)
+                pending, stop = self._ar_ahead(history, pending, stretch, max_tokens, stop_set,
+                                               on_tokens, on_round, gov)
                 if stop:
                     return "stop_token"
                 continue
@@ -258,11 +257,13 @@ class SpeculativeDecoder:
                 return "stop_token"
         return "max_tokens"
 
-    # -- greedy AR rounds with the next pass built ahead --------------------------------
+    # -- AR rounds with the next pass built ahead ----------------------------------------
     def _looks_ahead(self) -> bool:
-        """Greedy rounds on a target that can build a pass from a token not yet read."""
-        return (self.lookahead and self.params.greedy and not self.params.uses_penalty
-                and getattr(self.target, "looks_ahead", False))
+        """AR rounds on a target that builds each pass before the token it reads is
+        known: from the lazy argmax, or (sampling, a penalty) from host token ids."""
+        if not self.lookahead:
+            return False
+        return getattr(self.target, "looks_ahead" if self.params.plain_greedy else "looks_ahead_sampled", False)
 
     def _ar_stretch(self, gov, k: int, remaining: int) -> int:
         """AR rounds to run in one stretch looking ahead: the ones the governor asks for
@@ -273,13 +274,19 @@ class SpeculativeDecoder:
         n = min(due(), remaining, self.cfg.max_seq - self.target.pos)
         return n if n >= 2 else 0
 
-    def _greedy_ar(self, history, pending, count, max_tokens, stop_set, on_tokens, on_round, gov=None):
-        """`count` AR rounds through TargetRunner.greedy_tokens (each step's pass built
-        while the one before runs): the tokens and state of one verification per round.
-        Each is timed and reported to the governor as its own round.  Returns (the next
-        pending token, whether a stop token ended it)."""
+    def _ar_ahead(self, history, pending, count, max_tokens, stop_set, on_tokens, on_round, gov=None):
+        """`count` AR rounds through TargetRunner.ar_tokens (each step's pass built while
+        the one before runs): the tokens (`_decide`'s) and state of one verification per
+        round, each timed and reported to the governor as its own round.  Returns (the
+        next pending token, whether a stop token ended it)."""
+        W, last = self.params.window, [pending]     # last: the token of the row `pick` reads
+
+        def pick(row):
+            ctx = (history[-W:] if W else []) + last
+            return smp.sample_rows(row[None, :], ctx, len(ctx), len(history) + 1, self.params, self.seed)[0][0]
+
         st, out = self.stats, self.output
-        steps = self.target.greedy_tokens(pending, count)
+        steps = self.target.ar_tokens(pending, count, None if self.params.plain_greedy else pick)
         try:
             while True:
                 ta, built = time.perf_counter(), self._passes_built()
@@ -293,7 +300,7 @@ class SpeculativeDecoder:
                 emitted, stop = self._emitted([token], stop_set, max_tokens - len(out))
                 out.extend(emitted)
                 st.tokens = len(out)
-                pending = token
+                pending = last[0] = token
                 if on_tokens is not None:
                     on_tokens(emitted)
                 if on_round is not None:
@@ -362,7 +369,7 @@ class SpeculativeDecoder:
         params, st = self.params, self.stats
         m = len(proposal)
         ta = time.perf_counter()
-        argmax = params.greedy and not params.uses_penalty
+        argmax = self.params.plain_greedy
         if self._next is not None or self._builds_ahead(m):
             out = self._verify_ahead(pending, proposal, argmax)
             targ, rows = (out, None) if argmax else (None, out)

@@ -39,7 +39,7 @@ class MLXProposer(Proposer):
 
     def propose(self, history, pending, k, params, seed):
         self.sync(history)
-        if params.greedy and not params.uses_penalty:
+        if params.plain_greedy:
             tokens = self._propose_argmax(pending, k)
             qs = None
         else:

@@ -71,6 +71,11 @@ class SamplingParams:
         return self.repetition_penalty != 1.0 and self.repetition_window > 0
 
     @property
+    def plain_greedy(self) -> bool:
+        """Each token is its row's argmax (no sampling, no penalty)."""
+        return self.greedy and not self.uses_penalty
+
+    @property
     def window(self) -> int:
         """How many recent tokens the penalty sees (0 without a penalty)."""
         return self.repetition_window if self.uses_penalty else 0

@@ -119,34 +119,57 @@ class TargetRunner:
 
     @property
     def looks_ahead(self) -> bool:
-        """Whether `greedy_tokens` can build a pass from a token not yet read."""
+        """Whether `ar_tokens` can build a pass from a greedy token not yet read."""
         return hasattr(self.model, "step_lazy")
 
-    def greedy_tokens(self, pending: int, count: int):
-        """Greedy AR: yields the next `count` tokens after `pending`, committing a
-        position per token.  Each step's pass is built from the lazy argmax of the one
-        before while that one runs, and started when it has finished (so MLX still
-        updates the KV caches in place): the Python and graph-building part of a step
-        no longer adds to it.  A consumer that stops early leaves nothing uncommitted."""
+    @property
+    def looks_ahead_sampled(self) -> bool:
+        """Whether `ar_tokens` can build a pass from a token the host has not chosen yet
+        (the model's ops give host token inputs)."""
+        return self.looks_ahead and self.model.host_tokens(1) is not None
+
+    def ar_tokens(self, pending: int, count: int, pick=None):
+        """AR: yields the next `count` tokens after `pending`, committing a position per
+        token.  Each step's pass is built while the one before runs and started when that
+        one has finished (so MLX still updates the KV caches in place), so the Python and
+        graph-building part of a step no longer adds to it: greedy (`pick` None) from the
+        lazy argmax of the pass before; otherwise from host token ids that are set once
+        `pick` (the logits row of the pass before, numpy [V] -> token id) has chosen.  A
+        consumer that stops early leaves nothing uncommitted."""
         if count < 1:
             return
 
-        def argmax_after(token):      # the lazy int32 [1] argmax of the pass over `token`
-            return mx.argmax(self.model.step_lazy(token, self.state)[0], keepdims=True).astype(mx.int32)
+        def after(token):      # the pass over `token`: its lazy int32 [1] argmax, or its logits row
+            out = self.model.step_lazy(token, self.state)[0]
+            return mx.argmax(out, keepdims=True).astype(mx.int32) if pick is None else out
 
-        y = argmax_after(mx.array([pending], dtype=mx.int32))
+        y = after(mx.array([pending], dtype=mx.int32))
         mx.async_eval(y)
+        unset = None           # (host ids, their pass) built for a token not chosen yet
         try:
             for i in range(count):
                 self.commit(1)
-                nxt = argmax_after(y) if i + 1 < count else None
-                token = y.item()
+                nxt = None
+                if i + 1 < count:
+                    if pick is None:
+                        nxt = after(y)
+                    else:
+                        ids = self.model.host_tokens(1)
+                        nxt = after(ids.array)
+                        unset = (ids, nxt)
+                token = y.item() if pick is None else int(pick(np.array(y)))
                 if nxt is not None:
+                    if unset is not None:
+                        unset[0].set([token])
+                        unset = None
                     mx.async_eval(nxt)
                     y = nxt
                 yield token
         finally:
-            if self.state.pending:    # built (maybe started) for a token nobody asked for
+            if unset is not None:   # built on a token never chosen: runs on any id, then dropped
+                unset[0].set([0])
+                y = unset[1]
+            if self.state.pending:  # built (maybe started) for a token nobody asked for
                 mx.eval(y)
                 self.state.discard()
 

@@ -111,6 +111,9 @@ class CPUFusedOps(MLXOps):
         emb = getattr(model, "tok_emb", None)     # absent: a pipeline stage after the first
         return _spel_cpu.PassPlan(None if emb is None else emb.weight, plan, head, eps)
 
+    def host_tokens(self, n: int):
+        return _spel_cpu.HostTokens(n)
+
     @staticmethod
     def layout_rows(M: int) -> int:
         """The batch size whose weight layout an M-row product reads: the AVX-512 tiles

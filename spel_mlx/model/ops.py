@@ -44,6 +44,12 @@ class MLXOps:
         run through these methods, traced once by ``mx.compile``."""
         return None
 
+    def host_tokens(self, n: int):
+        """An object with ``array`` (int32 [n], a graph input) and ``set(ids)`` (once,
+        before the graph is evaluated): a pass built on tokens not yet chosen.  None
+        (here): the backend has no such input."""
+        return None
+
     # --- projections, norms, gate --------------------------------------------------
     def prepare_linear(self, lin, M: int) -> None:
         """Build, outside any trace, the weight layout an M-row ``linear`` reads."""

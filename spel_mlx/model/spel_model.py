@@ -195,6 +195,12 @@ class SpelModel(nn.Module):
             raise ValueError(f"step_lazy takes an int32 [1] token array, not {token.dtype} {token.shape}")
         return self.rows_lazy(token, state)
 
+    def host_tokens(self, n: int):
+        """Token ids to build a pass on before they are chosen (``ops.host_tokens``:
+        ``array`` for `step_lazy`/`rows_lazy`, ``set(ids)`` before it runs), or None
+        where the current device's ops have none."""
+        return self.ops.host_tokens(n)
+
     def rows_independent(self, stack: str, M: int) -> bool:
         """True when an M-row pass gives every row exactly the bits of a single-token
         pass: the ops say so, and every weight's row blocks at 1 and M rows are whole
