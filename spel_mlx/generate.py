@@ -74,9 +74,10 @@ def build_parser() -> argparse.ArgumentParser:
                          f"{DEFAULT_REPETITION_PENALTY} when sampling, 1 with --temperature 0)")
     ap.add_argument("--seed", type=int, default=None, help="sampling seed (runs are reproducible)")
     ap.add_argument("--accept", choices=ACCEPT_RULES, default=DEFAULT_ACCEPT,
-                    help="lossless rule of sampled speculation: residual (accept min(1, p/q), "
-                         "resample the residual; faster) or coupled (draft and target sample with the "
-                         "same per-position noise; the output equals --mode ar's for the same seed) "
+                    help="lossless rule of sampled speculation: coupled (draft and target sample with "
+                         "the same per-position noise; the output equals --mode ar's for the same seed, "
+                         "and the cost governor may stop drafting) or residual (accept min(1, p/q), "
+                         "resample the residual; more proposals accepted, no timed governor) "
                          f"(default {DEFAULT_ACCEPT})")
     ap.add_argument("--checkpoint", help="SPELW001 file or safetensors model folder "
                                          "(default SPEL_WEIGHTS, else the shipped model)")

@@ -246,9 +246,11 @@ def test_policy_for_modes_and_sampling():
     cfg = GovernorConfig()
     assert cfg.policy_for("spec", smp.GREEDY) == "cost"
     assert cfg.policy_for("governed", smp.GREEDY) == "original"
-    # residual-rule sampling: where rounds start changes the draws, so no timed governor
-    sampled = smp.SamplingParams(temperature=0.8, seed=1)
+    # residual-rule sampling: where rounds start changes the draws, so no timed governor;
+    # the coupled rule (the default) draws ar's tokens whatever the rounds: the cost model's
+    sampled = smp.SamplingParams(temperature=0.8, seed=1, accept="residual")
     assert cfg.policy_for("spec", sampled) == "off"
+    assert cfg.policy_for("spec", smp.SamplingParams(temperature=0.8, seed=1)) == "cost"
     assert GovernorConfig(policy="cost").policy_for("spec", sampled) == "cost"
     assert GovernorConfig(policy="off").policy_for("governed", smp.GREEDY) == "off"
     with pytest.raises(ValueError, match="policy 'fast'"):

@@ -55,6 +55,9 @@ class AutoProposer(Proposer):
     def start_sync(self, history):
         self.fallback.start_sync(history)
 
+    def settle(self):
+        self.fallback.settle()
+
     def propose(self, history, pending, k, params, seed):
         toks, qs = self.ngram.propose(history, pending, k, params, seed)
         if toks:

@@ -58,7 +58,13 @@ class CDraftProposer(Proposer):
 
     def start_sync(self, history):
         """The prompt's prefill on the draft's native thread (the batches ``sync`` feeds,
-        the same state); ``sync`` waits for it."""
+        the same state); ``sync`` waits for it.  One still running is left to finish."""
+        if self._prefilling:
+            try:
+                self.cdraft.wait(timeout=0.0)
+            except TimeoutError:
+                return
+            self._prefilling = False
         self._skip_far_prompt(history)
         if self.pos < len(history) and not self._prefilling:
             self.cdraft.prefill_async(list(history[self.pos:]))
@@ -69,6 +75,8 @@ class CDraftProposer(Proposer):
         if self._prefilling:
             self._prefilling = False
             self.cdraft.wait()
+
+    settle = _finish_prefill
 
     def sync(self, history):
         self._finish_prefill()
@@ -191,6 +199,13 @@ class CDraftAheadProposer(CDraftProposer):
         if self.pos < len(history):
             self._ready = None      # a kept continuation does not follow tokens committed without it
         super().sync(history)
+
+    def start_sync(self, history):
+        self._join()                # the native thread runs one job at a time
+        if self.pos < len(history) and self._ready is not None:
+            self._ready = None      # its rows are still in the draft's batch: one token fed drops them
+            super().sync(history[:self.pos + 1])
+        super().start_sync(history)
 
     def propose(self, history, pending, k, params, seed):
         self._join()

@@ -34,6 +34,9 @@ MAX_K = 16
 # is known (a round waits for the draft's continuation only until the verification's
 # usual end less a build, so that building the next verification from it ends in time)
 STILL_RUNNING_S = 50e-6
+# during the governor's AR rounds the draft catches up on their tokens in the background
+# every this many, so a probe's own catch-up has only the last few left
+FOLLOW_EVERY = 16
 
 
 class DecodeError(ValueError):
@@ -191,6 +194,8 @@ class SpeculativeDecoder:
             return self._round_loop(history, pending, max_tokens, stop_set, on_tokens, on_round, gov, seed)
         finally:
             self._drop_next()
+            if self.proposer is not None:
+                self.proposer.settle()
 
     def _drop_next(self):
         for built in (self._built, self._next):
@@ -213,7 +218,7 @@ class SpeculativeDecoder:
                 self._drop_next()
                 behind = True
                 pending, stop = self._ar_ahead(history, pending, stretch, max_tokens, stop_set,
-                                               on_tokens, on_round, gov)
+                                               on_tokens, on_round, gov, follow=True)
                 if stop:
                     return "stop_token"
                 continue
@@ -266,19 +271,21 @@ class SpeculativeDecoder:
         return getattr(self.target, "looks_ahead" if self.params.plain_greedy else "looks_ahead_sampled", False)
 
     def _ar_stretch(self, gov, k: int, remaining: int) -> int:
-        """AR rounds to run in one stretch looking ahead: the ones the governor asks for
-        before it drafts again (its back-off, or the AR rounds that time a call's start)."""
+        """AR rounds to run looking ahead: the ones the governor asks for before it drafts
+        again (its back-off, the AR rounds that time a call's start)."""
         due = getattr(gov, "ar_rounds_due", None)
         if k <= 0 or due is None or not self._looks_ahead():
             return 0
         n = min(due(), remaining, self.cfg.max_seq - self.target.pos)
         return n if n >= 2 else 0
 
-    def _ar_ahead(self, history, pending, count, max_tokens, stop_set, on_tokens, on_round, gov=None):
+    def _ar_ahead(self, history, pending, count, max_tokens, stop_set, on_tokens, on_round, gov=None,
+                  follow=False):
         """`count` AR rounds through TargetRunner.ar_tokens (each step's pass built while
         the one before runs): the tokens (`_decide`'s) and state of one verification per
-        round, each timed and reported to the governor as its own round.  Returns (the
-        next pending token, whether a stop token ended it)."""
+        round, each timed and reported to the governor as its own round; `follow`: the
+        proposer catches up meanwhile.  Returns (the next pending token, whether a stop
+        token ended it)."""
         W, last = self.params.window, [pending]     # last: the token of the row `pick` reads
 
         def pick(row):
@@ -308,6 +315,8 @@ class SpeculativeDecoder:
                 if gov is not None:   # the round's whole time, as a drafting round's is timed
                     gov.round(0, 0, time.perf_counter() - ta, timed=self._passes_built() == built)
                     st.governor_trips, st.governor_resumes = gov.trips, gov.resumes
+                if follow and len(history) % FOLLOW_EVERY == 0:
+                    self.proposer.start_sync(history)
                 if stop:
                     return pending, True
         finally:
@@ -464,10 +473,7 @@ class SpeculativeDecoder:
         """Step 4: n+1 positions in target and proposer (a verification built ahead stays
         pending in the target)."""
         st = self.stats
-        if self._built is not None:
-            self.target.commit_keep(n + 1)
-        else:
-            self.target.commit(n + 1)
+        (self.target.commit_keep if self._built is not None else self.target.commit)(n + 1)
         if m:
             self.proposer.commit(n + 1)
             st.proposed += m
@@ -477,14 +483,8 @@ class SpeculativeDecoder:
     @staticmethod
     def _emitted(tokens, stop_set, room):
         """(the round's tokens cut after a stop token and to `room`, whether one stopped it)."""
-        stop = False
-        if stop_set:
-            for i, t in enumerate(tokens):
-                if t in stop_set:
-                    tokens = tokens[:i + 1]
-                    stop = True
-                    break
-        return tokens[:room], stop
+        cut = next((i for i, t in enumerate(tokens) if t in stop_set), None)
+        return (tokens[:room], False) if cut is None else (tokens[:cut + 1][:room], True)
 
     def _calibrate_ar(self, pending, reps: int = 5) -> float:
         """Median time of single-token target forwards, uncommitted (state unchanged);

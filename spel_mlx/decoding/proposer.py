@@ -44,6 +44,9 @@ class Proposer:
         """Begin catching up on ``history`` in the background where the proposer can (the
         C draft on its own thread, beside the target's prefill); ``sync`` finishes it."""
 
+    def settle(self):
+        """Wait for a catch-up begun by ``start_sync`` (the end of a call leaves none running)."""
+
     def propose(self, history, pending, k, params, seed):
         raise NotImplementedError
 

@@ -27,7 +27,7 @@ from ..native import clib
 from . import noise
 
 ACCEPT_RULES = ("coupled", "residual")
-DEFAULT_ACCEPT = "residual"     # the faster of the two on the shipped model (docs/decoding.md)
+DEFAULT_ACCEPT = "coupled"      # under its cost governor, the faster of the two here (docs/decoding.md)
 
 
 class SamplingError(ValueError):
