@@ -320,3 +320,41 @@ def test_sampled_spec_builds_ahead_with_the_same_tokens(shipped, monkeypatch, ac
             dec.close()
         assert outs[True] == outs[False], (accept, seed)
     assert used > 3, used
+
+
+@pytest.mark.parametrize("params", ["greedy", "sampled"])
+def test_the_c_draft_follows_the_governors_ar_rounds(monkeypatch, params):
+    """A useless C draft (other weights), drafting ahead: the cost governor suspends it,
+    and during its AR stretches the draft catches up on their tokens in the background
+    (every FOLLOW_EVERY tokens), so a probe catches up on a few (the negative control: a
+    draft that does not follow is behind by a whole back-off).  The text is ar's (the
+    coupled rule when sampling), and nothing is left running at the end of a call."""
+    from spel_mlx.decoding import loop
+    from spel_mlx.decoding.factory import make_proposer
+    from spel_mlx.native import clib
+    if not clib.available():
+        pytest.skip("C draft unavailable")
+    params = PARAMS[params] if params == "greedy" else SamplingParams(temperature=0.7, top_p=0.95, seed=3,
+                                                                        accept="coupled")
+    cfg = CFG.replace(max_seq=400)
+    model = SpelModel.from_weights(cfg, init_weights(cfg, seed=11))
+    behind = []
+    plain = loop.SpeculativeDecoder._catch_up
+
+    def catch_up(self, history):
+        behind.append(len(history) - self.proposer.pos)
+        return plain(self, history)
+    monkeypatch.setattr(loop.SpeculativeDecoder, "_catch_up", catch_up)
+    p = prompt(9, 8)
+    ref = decode(model, False, p, 300, params=params)[0]
+    worst = {}
+    for follow in (16, 10 ** 9):
+        monkeypatch.setattr(loop, "FOLLOW_EVERY", follow)
+        behind.clear()
+        draft = make_proposer("c", model, init_weights(cfg, seed=12), k=4, threads=1, ahead=True)
+        dec = SpeculativeDecoder(model, draft, "spec", k=4, params=params)
+        assert dec.generate(p, 300) == ref
+        assert dec.stats.governor_trips >= 1 and behind and not draft._prefilling
+        worst[follow] = max(behind)
+        draft.close()
+    assert worst[16] <= 2 * 16 + 1 < worst[10 ** 9]

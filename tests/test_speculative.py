@@ -592,6 +592,33 @@ def test_c_draft_ahead_continuation_is_dropped_when_the_draft_fell_behind(tiny):
     plain.close()
 
 
+def test_c_draft_catches_up_in_the_background_after_a_kept_continuation(tiny):
+    """start_sync (the governor's AR rounds) after an all-accepted round whose continuation
+    the draft kept in its batch: the continuation is dropped and the catch-up runs on the
+    native thread; the next proposal equals a draft that was fed the same tokens."""
+    _cdraft_or_skip()
+    K, prompt = 4, tiny.prompts[0]
+    ahead = make_proposer("c", tiny.model, tiny.w, k=K, threads=1, ahead=True)
+    plain = make_proposer("c", tiny.model, tiny.w, k=K, threads=1)
+    history, pending = list(prompt[:-1]), prompt[-1]
+    ahead.reset()
+    first, _ = ahead.propose(history, pending, K, smp.GREEDY, None)
+    ahead.commit(K + 1)                                   # all accepted: the continuation is kept
+    assert ahead._ready is not None
+    history += [pending] + first
+    later = history + [7, 5, 6, 9]                        # AR tokens the draft never saw
+    ahead.start_sync(later[:-1])
+    assert ahead._ready is None and ahead._prefilling
+    ahead.start_sync(later)                               # the first still running, or done: either way
+    ahead.sync(later)
+    got, _ = ahead.propose(later, 3, K, smp.GREEDY, None)
+    plain.reset()
+    want, _ = plain.propose(later, 3, K, smp.GREEDY, None)
+    assert got == want and ahead.pos == len(later) and not ahead._prefilling
+    ahead.close()
+    plain.close()
+
+
 def test_shipped_c_draft_ahead_hits_and_equals_ar():
     """On the shipped model the drafted-ahead proposals are used (hits) and the
     output is still the ar output, greedy and with a sampling fallback."""
