@@ -180,8 +180,9 @@ def stream_generate(model, tokenizer, prompt, max_tokens: int = DEFAULT_MAX_TOKE
 
     prompt: a string or token ids.  Sampling: temperature (0 = exact greedy; default
     0.7), top_p (0.95), top_k (0 = off), repetition_penalty (1.1 when sampling, 1.0 at
-    temperature 0), seed (same seed, same text), accept ("coupled" or "residual": the
-    lossless rule of sampled speculation), stop (strings that end the output,
+    temperature 0), seed (same seed, same text), accept ("coupled", the default: the
+    text of mode "ar" for the seed; or "residual": the lossless rule of sampled
+    speculation), stop (strings that end the output,
     not included).  Decoding: mode ("spec", "ar", "governed"), draft ("c", "mlx",
     "ngram", "auto"; default "auto" for greedy spec, else the C draft when built), k
     (proposals per round),
