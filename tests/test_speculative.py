@@ -570,19 +570,27 @@ def test_c_draft_prefills_beside_the_target(tiny):
         draft.close()
 
 
-def test_c_draft_ahead_continuation_is_dropped_when_the_draft_fell_behind(tiny):
-    """A continuation kept for "pending == guess" is not used once tokens were committed
-    without the draft (an n-gram round in auto): the proposal is the fresh one."""
+def _kept_continuation(tiny, K):
+    """(a drafting-ahead C draft after an all-accepted round, so it keeps the continuation
+    in its batch; a plain C draft; the history so far)"""
     _cdraft_or_skip()
-    K, prompt = 4, tiny.prompts[0]
+    prompt = tiny.prompts[0]
     ahead = make_proposer("c", tiny.model, tiny.w, k=K, threads=1, ahead=True)
     plain = make_proposer("c", tiny.model, tiny.w, k=K, threads=1)
     history, pending = list(prompt[:-1]), prompt[-1]
     ahead.reset()
     first, _ = ahead.propose(history, pending, K, smp.GREEDY, None)
     ahead.commit(K + 1)                                   # all accepted: the continuation is kept
+    assert ahead._ready is not None
+    return ahead, plain, history + [pending] + first
+
+
+def test_c_draft_ahead_continuation_is_dropped_when_the_draft_fell_behind(tiny):
+    """A continuation kept for "pending == guess" is not used once tokens were committed
+    without the draft (an n-gram round in auto): the proposal is the fresh one."""
+    K = 4
+    ahead, plain, history = _kept_continuation(tiny, K)
     guess = ahead._ready[0]
-    history += [pending] + first
     later = history + [guess, 5, 6]                       # three tokens the draft never saw
     got, _ = ahead.propose(later, guess, K, smp.GREEDY, None)
     plain.reset()
@@ -596,16 +604,8 @@ def test_c_draft_catches_up_in_the_background_after_a_kept_continuation(tiny):
     """start_sync (the governor's AR rounds) after an all-accepted round whose continuation
     the draft kept in its batch: the continuation is dropped and the catch-up runs on the
     native thread; the next proposal equals a draft that was fed the same tokens."""
-    _cdraft_or_skip()
-    K, prompt = 4, tiny.prompts[0]
-    ahead = make_proposer("c", tiny.model, tiny.w, k=K, threads=1, ahead=True)
-    plain = make_proposer("c", tiny.model, tiny.w, k=K, threads=1)
-    history, pending = list(prompt[:-1]), prompt[-1]
-    ahead.reset()
-    first, _ = ahead.propose(history, pending, K, smp.GREEDY, None)
-    ahead.commit(K + 1)                                   # all accepted: the continuation is kept
-    assert ahead._ready is not None
-    history += [pending] + first
+    K = 4
+    ahead, plain, history = _kept_continuation(tiny, K)
     later = history + [7, 5, 6, 9]                        # AR tokens the draft never saw
     ahead.start_sync(later[:-1])
     assert ahead._ready is None and ahead._prefilling
