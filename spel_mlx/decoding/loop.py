@@ -378,7 +378,7 @@ class SpeculativeDecoder:
         params, st = self.params, self.stats
         m = len(proposal)
         ta = time.perf_counter()
-        argmax = self.params.plain_greedy
+        argmax = params.plain_greedy
         if self._next is not None or self._builds_ahead(m):
             out = self._verify_ahead(pending, proposal, argmax)
             targ, rows = (out, None) if argmax else (None, out)

@@ -126,7 +126,7 @@ class TargetRunner:
     def looks_ahead_sampled(self) -> bool:
         """Whether `ar_tokens` can build a pass from a token the host has not chosen yet
         (the model's ops give host token inputs)."""
-        return self.looks_ahead and self.model.host_tokens(1) is not None
+        return self.looks_ahead and getattr(getattr(self.model, "ops", None), "host_token_inputs", False)
 
     def ar_tokens(self, pending: int, count: int, pick=None):
         """AR: yields the next `count` tokens after `pending`, committing a position per

@@ -111,6 +111,8 @@ class CPUFusedOps(MLXOps):
         emb = getattr(model, "tok_emb", None)     # absent: a pipeline stage after the first
         return _spel_cpu.PassPlan(None if emb is None else emb.weight, plan, head, eps)
 
+    host_token_inputs = True
+
     def host_tokens(self, n: int):
         return _spel_cpu.HostTokens(n)
 

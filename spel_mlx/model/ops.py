@@ -44,6 +44,8 @@ class MLXOps:
         run through these methods, traced once by ``mx.compile``."""
         return None
 
+    host_token_inputs = False   # whether host_tokens gives them
+
     def host_tokens(self, n: int):
         """An object with ``array`` (int32 [n], a graph input) and ``set(ids)`` (once,
         before the graph is evaluated): a pass built on tokens not yet chosen.  None
