@@ -34,9 +34,7 @@ MAX_K = 16
 # is known (a round waits for the draft's continuation only until the verification's
 # usual end less a build, so that building the next verification from it ends in time)
 STILL_RUNNING_S = 50e-6
-# during the governor's AR rounds the draft catches up on their tokens in the background
-# every this many, so a probe's own catch-up has only the last few left
-FOLLOW_EVERY = 16
+FOLLOW_EVERY = 16   # tokens: the draft catches up on the governor's AR rounds in the background
 
 
 class DecodeError(ValueError):
@@ -286,11 +284,10 @@ class SpeculativeDecoder:
         round, each timed and reported to the governor as its own round; `follow`: the
         proposer catches up meanwhile.  Returns (the next pending token, whether a stop
         token ended it)."""
-        W, last = self.params.window, [pending]     # last: the token of the row `pick` reads
+        last = [pending]       # the token of the row `pick` reads
 
         def pick(row):
-            ctx = (history[-W:] if W else []) + last
-            return smp.sample_rows(row[None, :], ctx, len(ctx), len(history) + 1, self.params, self.seed)[0][0]
+            return self._sample_rows(row[None, :], history, last[0], [])[0][0]
 
         st, out = self.stats, self.output
         steps = self.target.ar_tokens(pending, count, None if self.params.plain_greedy else pick)
@@ -393,11 +390,8 @@ class SpeculativeDecoder:
             st.ar_rounds += 1
         probs = None
         if rows is not None:
-            W = params.window
-            ctx = (history[-W:] if W else []) + [pending]
             residual = params.accept == "residual" and not params.greedy and m and self.mode != "forced"
-            targ, probs = smp.sample_rows(rows, ctx + proposal, len(ctx), len(history) + 1, params, seed,
-                                          want_probs=bool(residual))
+            targ, probs = self._sample_rows(rows, history, pending, proposal, want_probs=bool(residual))
         if self.mode == "forced" and m:
             n = self._forced_n(m)
             return n, targ[n]
@@ -413,6 +407,12 @@ class SpeculativeDecoder:
         while n < m and proposal[n] == targ[n]:
             n += 1
         return n, targ[n]
+
+    def _sample_rows(self, rows, history, pending, proposal, want_probs=False):
+        """(tokens, probs) of the rows [M, V] over [pending] + proposal after `history`."""
+        W = self.params.window
+        ctx = (history[-W:] if W else []) + [pending]
+        return smp.sample_rows(rows, ctx + proposal, len(ctx), len(history) + 1, self.params, self.seed, want_probs)
 
     def _builds_ahead(self, m: int) -> bool:
         """Whether a round of m proposals builds the next verification ahead."""
