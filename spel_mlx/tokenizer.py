@@ -18,6 +18,10 @@ from ._cli import guarded
 
 ASSETS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "assets")
 DEFAULT_SP_MODEL = os.path.join(ASSETS, "tokenizer.model")
+# the end-of-text piece, and the line that marks a document's end in training text
+# (a control piece: no text encodes to it; training data puts it where the marks are)
+EOT_PIECE = "<|endoftext|>"
+EOT_LINE = EOT_PIECE + "\n"
 
 
 class TokenizerError(ValueError):
@@ -32,6 +36,7 @@ class ByteTokenizer:
     """
     name = "ascii-bytes"
     vocab_size = 128
+    eot_id = None
 
     def encode(self, text: str) -> list:
         return [o if o < 128 else 63 for o in map(ord, text)]
@@ -61,6 +66,11 @@ class SentencePieceTokenizer:
             raise TokenizerError(f"{path}: not a SentencePiece model")
         self.vocab_size = int(self.sp.GetPieceSize())
         self.name = f"sentencepiece-{self.vocab_size}"
+        eos = int(self.sp.eos_id())
+        # the end-of-text id: the model's eos piece where it is ours (None: no such piece)
+        self.eot_id = eos if eos >= 0 and self.sp.IdToPiece(eos) == EOT_PIECE else None
+        if self.eot_id is not None:
+            self.name += "-eot"
 
     def encode(self, text: str) -> list:
         return list(self.sp.EncodeAsIds(text))
@@ -70,6 +80,19 @@ class SentencePieceTokenizer:
 
     def id_to_piece(self, i: int) -> str:
         return self.sp.IdToPiece(int(i))
+
+
+def encode_documents(tokenizer, text: str) -> list:
+    """Token ids of training text whose documents end at EOT_LINE marks: each document
+    encoded alone, the end-of-text id where its mark was.  A tokenizer without that
+    piece gets the marks dropped."""
+    docs = text.split(EOT_LINE)
+    ids = []
+    for i, doc in enumerate(docs):
+        ids += tokenizer.encode(doc)
+        if i < len(docs) - 1 and tokenizer.eot_id is not None:
+            ids.append(tokenizer.eot_id)
+    return ids
 
 
 def load_tokenizer(vocab: int, path: str | None = None):
@@ -89,8 +112,9 @@ def load_tokenizer(vocab: int, path: str | None = None):
 
 def train_sentencepiece(input_txt: str, out_model: str, vocab: int = 2048,
                         threads: int = 2, max_lines: int = 0) -> SentencePieceTokenizer:
-    """Train a BPE SentencePiece model on input_txt (one paragraph per line);
-    write it atomically to out_model."""
+    """Train a BPE SentencePiece model on input_txt (one paragraph per line), with the
+    end-of-text control piece (id 1); the EOT_LINE marks in the text are left out of
+    what it learns from.  Write it atomically to out_model."""
     import sentencepiece as spm
     if not (256 < vocab <= 65536):
         raise TokenizerError(f"vocab={vocab}: must be in 257..65536 (256 byte-fallback pieces)")
@@ -100,11 +124,14 @@ def train_sentencepiece(input_txt: str, out_model: str, vocab: int = 2048,
     os.makedirs(out_dir, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=out_dir) as tmp:
         prefix = os.path.join(tmp, "sp")
+        text_only = os.path.join(tmp, "text.txt")
+        with open(input_txt, encoding="utf-8") as src, open(text_only, "w", encoding="utf-8") as dst:
+            dst.writelines(line for line in src if line != EOT_LINE)
         spm.SentencePieceTrainer.Train(
-            input=input_txt, model_prefix=prefix, vocab_size=vocab, model_type="bpe",
+            input=text_only, model_prefix=prefix, vocab_size=vocab, model_type="bpe",
             character_coverage=1.0, byte_fallback=True, normalization_rule_name="identity",
             remove_extra_whitespaces=False, add_dummy_prefix=False, split_digits=True, user_defined_symbols=["\n"],
-            unk_id=0, bos_id=-1, eos_id=-1, pad_id=-1, max_sentence_length=1 << 16,
+            unk_id=0, bos_id=-1, eos_id=1, eos_piece=EOT_PIECE, pad_id=-1, max_sentence_length=1 << 16,
             input_sentence_size=max_lines, shuffle_input_sentence=True,
             num_threads=threads, minloglevel=2)
         os.replace(prefix + ".model", out_model)

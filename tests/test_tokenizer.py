@@ -73,3 +73,34 @@ def test_train_sentencepiece_small(tmp_path):
     assert len(tok.encode(s)) < len(s) / 1.7   # only ~40 merges fit beside 256 byte pieces
     with pytest.raises(T.TokenizerError, match="vocab=100"):
         T.train_sentencepiece(str(src), str(out), vocab=100)
+
+
+def test_end_of_text_piece_and_documents(tmp_path):
+    """A trained tokenizer has the end-of-text control piece: no text encodes to it (the
+    literal mark is plain text), it decodes to nothing, and training text gets it exactly
+    where a document's EOT_LINE mark was; the marks are not learned as pieces."""
+    rng = np.random.default_rng(1)
+    words = ["the", "lady", "said", "that", "her", "sister", "was", "at", "home"]
+    docs = ["\n".join(" ".join(rng.choice(words, 8)) + "." for _ in range(40)) + "\n" for _ in range(5)]
+    src = tmp_path / "train.txt"
+    src.write_text("".join(d + T.EOT_LINE for d in docs))
+    tok = T.train_sentencepiece(str(src), str(tmp_path / "sp.model"), vocab=300, threads=1)
+    assert tok.eot_id == 1 and tok.id_to_piece(1) == T.EOT_PIECE and tok.name.endswith("-eot")
+    assert tok.eot_id not in tok.encode(T.EOT_PIECE)
+    assert tok.decode([tok.eot_id]) == ""
+    assert not any("endoftext" in tok.id_to_piece(i) for i in range(2, 300))   # not learned
+    ids = T.encode_documents(tok, src.read_text())
+    ends = [i for i, t in enumerate(ids) if t == tok.eot_id]
+    assert len(ends) == 5 and ends[-1] == len(ids) - 1
+    starts = [0] + [e + 1 for e in ends[:-1]]
+    assert [tok.decode(ids[s:e]) for s, e in zip(starts, ends)] == docs
+    # the byte vocabulary (and any tokenizer without the piece) drops the marks
+    byte = T.ByteTokenizer()
+    assert byte.eot_id is None and byte.decode(T.encode_documents(byte, src.read_text())) == "".join(docs)
+
+
+def test_shipped_tokenizers_without_the_piece_have_no_eot_id():
+    if os.path.exists(SHIPPED):
+        # the 7.9M model's tokenizer predates the piece: nothing stops on an id it lacks
+        tok = T.SentencePieceTokenizer(os.path.join(T.ASSETS, "default", "tokenizer.model"))
+        assert tok.eot_id is None

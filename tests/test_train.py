@@ -413,3 +413,21 @@ def test_onpolicy_windows_sampled_as_generate_defaults(tmp_path, target_run, dat
         onpolicy.generate_onpolicy(trun, out, sampling="hot", **kw)
     with pytest.raises(config.TrainError, match="--greedy-share"):
         onpolicy.generate_onpolicy(trun, out, greedy_share=1.5, **kw)
+
+
+def test_documents_end_at_chapter_headings():
+    """mark_documents: a mark before each heading once the document holds DOC_MIN_BYTES
+    (a title block or a volume line stays with the chapter after it), one at the end."""
+    from spel_mlx.tokenizer import EOT_LINE
+    C = corpus
+    para = "x" * (C.DOC_MIN_BYTES + 10) + "\n"
+    text = "PRIDE AND PREJUDICE\nby Jane Austen\nCHAPTER 1\n" + para + "VOLUME II\nCHAPTER 2\n" + para + \
+        "CHAPTER 3\nshort\nCHAPTER 4\n" + para
+    out = C.mark_documents(text, C.AUSTEN_HEADING)
+    docs = out.split(EOT_LINE)
+    assert docs[-1] == "" and len(docs) == 4
+    assert docs[0].startswith("PRIDE") and docs[1].startswith("VOLUME II\nCHAPTER 2\n")
+    assert docs[2].startswith("CHAPTER 3\nshort\nCHAPTER 4\n")   # a short chapter joins the next
+    assert out.replace(EOT_LINE, "") == text
+    kjv = "Genesis 1\n" + para + "Genesis 2\n" + para
+    assert C.mark_documents(kjv, C.KJV_HEADING).count(EOT_LINE) == 2

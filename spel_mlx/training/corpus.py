@@ -23,11 +23,16 @@ import zlib
 
 from .._cli import guarded
 from ..atomic import write_json, write_text
+from ..tokenizer import EOT_LINE
 
 AUSTEN_DIR = "/usr/lib/R/site-library/janeaustenr/data"
 AUSTEN_BOOKS = ("sensesensibility", "prideprejudice", "mansfieldpark", "emma",
                 "northangerabbey", "persuasion")
 BLOCK_BYTES = 8192
+# a heading line starts a new document (chapter) once the current one holds this much
+DOC_MIN_BYTES = 500
+AUSTEN_HEADING = re.compile(r"^(CHAPTER|Chapter|VOLUME|Volume) [0-9IVXLC]+\.?$")
+KJV_HEADING = re.compile(r"^[1-3]?\s?[A-Z][A-Za-z ]+ \d+$")
 HELDOUT_EVERY = 50
 HELDOUT_PHASE = 25
 SOURCES = ("austen", "kjv")
@@ -168,7 +173,7 @@ def clean_kjv(raw: str) -> str:
             cur = [m.group(1).strip()]
         elif line.startswith(" "):
             cur.append(line.strip())
-        elif cur and not re.match(r"^[1-3]?\s?[A-Z][A-Za-z ]+ \d+$", line.strip()):
+        elif cur and not KJV_HEADING.match(line.strip()):
             cur.append(line.strip())  # wrapped continuation at column 0
         else:
             if cur:
@@ -178,6 +183,22 @@ def clean_kjv(raw: str) -> str:
     if cur:
         out.append(" ".join(cur))
     return _to_ascii("\n".join(out)) + "\n"
+
+
+def mark_documents(text: str, heading) -> str:
+    """The text with an end-of-text mark (EOT_LINE) after each document: a document
+    ends before a heading line once it holds DOC_MIN_BYTES (so a title block or a
+    "VOLUME II" line stays with the chapter after it), and at the text's end."""
+    out, size = [], 0
+    for line in text.splitlines(keepends=True):
+        if size >= DOC_MIN_BYTES and heading.match(line.rstrip("\n")):
+            out.append(EOT_LINE)
+            size = 0
+        out.append(line)
+        size += len(line)
+    if size:
+        out.append(EOT_LINE)
+    return "".join(out)
 
 
 def split_blocks(text: str, block_bytes: int = BLOCK_BYTES) -> list:
@@ -201,11 +222,12 @@ def split_heldout(text: str, every: int = HELDOUT_EVERY, phase: int = HELDOUT_PH
 
 
 def load_source(name: str) -> str:
+    """A source's clean text, its documents (chapters) marked (mark_documents)."""
     if name == "austen":
         books = read_austen()
-        return "".join(clean_austen(books[b]) for b in AUSTEN_BOOKS)
+        return "".join(mark_documents(clean_austen(books[b]), AUSTEN_HEADING) for b in AUSTEN_BOOKS)
     if name == "kjv":
-        return clean_kjv(read_kjv())
+        return mark_documents(clean_kjv(read_kjv()), KJV_HEADING)
     raise CorpusError(f"unknown corpus source {name!r} (known: {', '.join(SOURCES)})")
 
 

@@ -10,11 +10,13 @@ import os
 import numpy as np
 
 from ..atomic import save_npy
+from ..tokenizer import encode_documents
 from .config import TrainError
 
 
 def load_tokens(data_dir: str, tokenizer, split: str) -> np.ndarray:
-    """Token ids of data_dir/{split}.txt, cached next to it per tokenizer."""
+    """Token ids of data_dir/{split}.txt (the end-of-text id where a document ends),
+    cached next to it per tokenizer."""
     txt = os.path.join(data_dir, f"{split}.txt")
     if not os.path.exists(txt):
         raise TrainError(f"{txt} not found: run `python -m spel_mlx.corpus --out {data_dir}` first")
@@ -22,7 +24,7 @@ def load_tokens(data_dir: str, tokenizer, split: str) -> np.ndarray:
     src_mtime = max(os.path.getmtime(txt), os.path.getmtime(getattr(tokenizer, "path", txt)))
     if os.path.exists(cache) and os.path.getmtime(cache) >= src_mtime:
         return np.load(cache)
-    ids = np.asarray(tokenizer.encode(open(txt, encoding="utf-8").read()), dtype=np.int32)
+    ids = np.asarray(encode_documents(tokenizer, open(txt, encoding="utf-8").read()), dtype=np.int32)
     save_npy(cache, ids)
     return ids
 
