@@ -193,3 +193,33 @@ def test_default_draft_rule():
     assert default_draft("spec", SamplingParams(repetition_penalty=1.1)) == model_draft   # greedy with a penalty
     assert default_draft("spec", SamplingParams(temperature=0.7)) == model_draft
     assert default_draft("governed", GREEDY) == model_draft
+
+
+class _EotTokenizer:
+    """The shipped tokenizer with one of its ids standing in for the end-of-text piece."""
+
+    def __init__(self, tok, eot_id):
+        self._tok, self.eot_id = tok, eot_id
+
+    def __getattr__(self, name):
+        return getattr(self._tok, name)
+
+
+@pytest.mark.parametrize("opts", [{"mode": "ar"}, {}, {"temperature": 0.7, "seed": 3},
+                                  {"temperature": 0.7, "seed": 3, "mode": "ar"}])
+def test_generation_ends_on_the_end_of_text_token(shipped, opts):
+    """Every mode stops right after the target's first end-of-text token: finish reason
+    "stop", stop_reason "end_of_text", the same tokens as the run without it cut there."""
+    model, tok = shipped
+    kw = {"temperature": 0, **opts}
+    free = [t for r in spel_mlx.stream_generate(model, tok, PROMPT, 40, **kw) for t in r.tokens]
+    eot = free[9]
+    responses = list(spel_mlx.stream_generate(model, _EotTokenizer(tok, eot), PROMPT, 40, **kw))
+    tokens = [t for r in responses for t in r.tokens]
+    assert tokens == free[:free.index(eot) + 1]
+    assert responses[-1].finish_reason == "stop" and responses[-1].stats["stop_reason"] == "end_of_text"
+    # a token the target never emits leaves the run as it was (negative control)
+    unused = next(i for i in range(tok.vocab_size) if i not in free)
+    again = [t for r in spel_mlx.stream_generate(model, _EotTokenizer(tok, unused), PROMPT, 40, **kw)
+             for t in r.tokens]
+    assert again == free

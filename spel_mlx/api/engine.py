@@ -139,9 +139,11 @@ class Decoding:
         return {"alpha": st.alpha, "tokens_per_round": st.tokens_per_round,
                 "tok_s": st.tokens / dt if dt > 0 else 0.0, "rounds": st.rounds}
 
-    def run(self, prompt: list, max_tokens: int, on_round, should_stop=None, calibrate: bool = False):
+    def run(self, prompt: list, max_tokens: int, on_round, should_stop=None, calibrate: bool = False,
+            stop_tokens=()):
         """Decode; `on_round(Round)` after every round.  Returns the emitted tokens.
-        `should_stop()` is asked after every round: True ends the call (Cancelled).
+        `should_stop()` is asked after every round: True ends the call (Cancelled);
+        the target emitting one of `stop_tokens` ends it after that token.
         The target runs on the loaded model's device (on this thread)."""
         s, loaded = self.settings, self.loaded
         k = loaded.cfg.spec_k if s.k is None else s.k
@@ -158,7 +160,8 @@ class Decoding:
                 if should_stop is not None and should_stop():
                     raise Cancelled
 
-            return self.decoder.generate(prompt, max_tokens, on_round=hook, calibrate=calibrate)
+            return self.decoder.generate(prompt, max_tokens, on_round=hook, calibrate=calibrate,
+                                         stop_tokens=stop_tokens)
 
     @property
     def draft_threads(self):

@@ -28,7 +28,8 @@ DEFAULT_TOP_P = 0.95
 DEFAULT_REPETITION_PENALTY = 1.1
 DEFAULT_MAX_TOKENS = 256
 # the engine's stop reasons as OpenAI finish reasons
-FINISH = {"max_tokens": "length", "max_seq": "length", "stop_token": "stop", "stop_string": "stop",
+FINISH = {"max_tokens": "length", "max_seq": "length", "stop_token": "stop", "end_of_text": "stop",
+          "stop_string": "stop",
           "cancelled": "cancelled", "interrupted": "cancelled"}
 
 
@@ -112,9 +113,10 @@ class Request:
                 raise engine.Cancelled("stop_string")
 
         reason = None
+        eot = getattr(self.tokenizer, "eot_id", None)
         try:
-            self.decoding.run(self.prompt, self.max_tokens, on_round,
-                              should_stop=should_stop, calibrate=calibrate)
+            self.decoding.run(self.prompt, self.max_tokens, on_round, should_stop=should_stop,
+                              calibrate=calibrate, stop_tokens=() if eot is None else (eot,))
         except engine.Cancelled as e:
             reason = e.args[0] if e.args else "cancelled"
         pieces = []
@@ -124,6 +126,8 @@ class Request:
             reason = "stop_string" if stops.hit else reason
         stats = self.decoding.stats
         stats["stop_reason"] = reason or stats["stop_reason"]
+        if stats["stop_reason"] == "stop_token":      # the only stop token is the end of text
+            stats["stop_reason"] = "end_of_text"
         if reason == "stop_string":
             stats["tokens"] = len(out) + sum(p[0] is not None for p in pieces)
         self._final = stats
