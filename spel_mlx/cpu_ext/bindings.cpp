@@ -68,5 +68,14 @@ NB_MODULE(_spel_cpu, m) {
       .def(nb::init<int>(), nb::arg("n"))
       .def_prop_ro("array", &HostTokens::array, "The int32 [n] array (evaluate it only after set)")
       .def("set", &HostTokens::set, nb::arg("ids"), "The ids, once, before the array is evaluated");
+  m.def("delta_train", &delta_train, nb::arg("q"), nb::arg("k"), nb::arg("v"), nb::arg("a"), nb::arg("beta"),
+        nb::arg("chunk"), "The delta rule's training forward: (o, the state before each chunk)");
+  m.def("delta_train_grad", &delta_train_grad, nb::arg("q"), nb::arg("k"), nb::arg("v"), nb::arg("a"),
+        nb::arg("beta"), nb::arg("checkpoints"), nb::arg("dO"), nb::arg("chunk"),
+        "The delta rule's backward: (dq, dk, dv, da [N, H], dbeta [N, H])");
+  m.def("softmax_rows", &softmax_rows, nb::arg("x"), nb::arg("causal") = false);
+  m.def("logsumexp_rows", &logsumexp_rows, nb::arg("x"));
+  m.def("xent_grad", &xent_grad, nb::arg("logits"), nb::arg("lse"), nb::arg("targets"), nb::arg("cotangent"));
+  m.def("silu_mul_grad", &silu_mul_grad, nb::arg("a"), nb::arg("b"), nb::arg("dy"));
   m.def("attend", &attend, nb::arg("q"), nb::arg("k_cache"), nb::arg("v_cache"), nb::arg("pos0"));
 }

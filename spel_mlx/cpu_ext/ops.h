@@ -49,6 +49,23 @@ std::vector<mx::array> gdn_block(const mx::array& x, const mx::array& norm, cons
                                  const mx::array& beta, const mx::array& S0, const mx::array& wo, float eps,
                                  int s_row = -1, int t_row = -1, bool with_qk = true);
 
+// training.cpp: the training forward's hot spots and their backward (float32,
+// row-contiguous).  The delta rule over q, k, v [N, T, H, hd] (unit q, k) with a, beta
+// [H]: o and the state before each chunk of `chunk` tokens [N, H, ceil(T/chunk), hd, hd];
+// its backward gives dq, dk, dv and the per-(sequence, head) sums da, dbeta [N, H].
+std::vector<mx::array> delta_train(const mx::array& q, const mx::array& k, const mx::array& v, const mx::array& a,
+                                   const mx::array& beta, int chunk);
+std::vector<mx::array> delta_train_grad(const mx::array& q, const mx::array& k, const mx::array& v,
+                                        const mx::array& a, const mx::array& beta, const mx::array& ck,
+                                        const mx::array& dO, int chunk);
+// softmax over the last axis (causal: [..., T, T], row i sees columns 0..i, the rest 0);
+// log-sum-exp of each row of [R, C]; cot * (softmax - onehot(y)) of logits [R, C];
+// the SwiGLU gate's backward (da, db) of y = silu(a) * b
+mx::array softmax_rows(const mx::array& x, bool causal);
+mx::array logsumexp_rows(const mx::array& x);
+mx::array xent_grad(const mx::array& x, const mx::array& lse, const mx::array& y, const mx::array& cot);
+std::vector<mx::array> silu_mul_grad(const mx::array& a, const mx::array& b, const mx::array& dy);
+
 // pass_plan.cpp: a stack's whole decoding pass, the nodes above built by one call.
 // A layer's arrays: GDN attn_norm, conv, wqkv, a, beta, wo, ffn_norm, w1, w3, w2 (weight
 // blocks as the fused ops read them); attention attn_norm, wqkv, cos, sin, wo, ffn_norm,

@@ -128,7 +128,7 @@ class Attention(nn.Module):
         H, hd = self.n_heads, self.head_dim
         qkv = ops.linear(x, self.wqkv).reshape(*lead, T, 3, H, hd)
         if cache is None:
-            o = self._causal(qkv)
+            o = self._causal(qkv, ops)
         else:
             qk = self.rope(l2_normalize(qkv[:, 0:2]), cache.pos)
             q, k, v = (t.reshape(T, H, hd) for t in (qk[:, 0:1], qk[:, 1:2], qkv[:, 2:3]))
@@ -136,15 +136,14 @@ class Attention(nn.Module):
             o = ops.attend(q, keys, values, cache.pos, T)
         return ops.linear(o.reshape(*lead, T, -1), self.wo)
 
-    def _causal(self, qkv):
-        """[B, T, 3, H, hd] -> [B, T, H, hd] with MLX's fused RoPE and attention,
-        positions 0..T-1 (short, so float32 angles are exact enough)."""
+    def _causal(self, qkv, ops):
+        """[B, T, 3, H, hd] -> [B, T, H, hd] with MLX's fused RoPE, positions 0..T-1
+        (short, so float32 angles are exact enough), and the ops' causal attention."""
         hd = self.head_dim
         q, k, v = (mx.swapaxes(qkv[:, :, i], 1, 2) for i in range(3))     # [B, H, T, hd]
         q, k = (mx.fast.rope(l2_normalize(t), hd, traditional=True, base=self.rope_theta, scale=1.0, offset=0)
                 for t in (q, k))
-        o = mx.fast.scaled_dot_product_attention(q, k, v, scale=math.sqrt(hd), mask="causal")
-        return mx.swapaxes(o, 1, 2)
+        return mx.swapaxes(ops.causal_attention(q, k, v, math.sqrt(hd)), 1, 2)
 
 
 class Block(nn.Module):

@@ -89,7 +89,10 @@ class MLXOps:
             tails = xs[..., 1:3, :].reshape(*x.shape[:-2], 1, 2, d)
         else:
             tails = mx.stack([xs[..., 1:T + 1, :], xs[..., 2:T + 2, :]], axis=-2)
-        return nn.silu(pre), tails
+        return self.silu(pre), tails
+
+    def silu(self, x):
+        return nn.silu(x)
 
     def gdn_delta(self, qkv, a, beta, S0, gates=None):
         """Unit q, k and v from the wqkv projection [..., T, 3*H*hd], then the delta
@@ -112,6 +115,11 @@ class MLXOps:
         return delta_rule_chunked(q, k, v, a, beta, S0, chunk=q.shape[-3], gates=gates, all_states=True)
 
     # --- attention -------------------------------------------------------------------
+    def causal_attention(self, q, k, v, scale: float):
+        """Causal softmax attention within a batch from position 0 (training): q, k, v
+        [B, H, T, hd] (rotated), logits scale * q.k.  Returns [B, H, T, hd]."""
+        return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask="causal")
+
     def attend(self, q, k_cache, v_cache, pos0, M):
         """Causal softmax attention of M queries against a KV cache window.
 

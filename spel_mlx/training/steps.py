@@ -5,14 +5,8 @@ import mlx.core as mx
 
 from ..config import ModelConfig
 from ..model import SpelModel
+from ..model.training_ops import cross_entropy
 from .config import TrainConfig
-
-
-def cross_entropy(logits, targets):
-    """mean next-token NLL in nats."""
-    lse = mx.logsumexp(logits, axis=-1)
-    picked = mx.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
-    return mx.mean(lse - picked)
 
 
 def kl_target_draft(t_logits, d_logits, temperature: float = 1.0):
