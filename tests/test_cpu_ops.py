@@ -209,20 +209,26 @@ def test_simd_gate_is_bit_identical_to_the_scalar_reference(ops, scalar_and_simd
     assert np.array_equal(ref, np.asarray(silu_mul(a, b)))
 
 
-@pytest.fixture
-def avx512_linear():
+@pytest.fixture(params=["avx512", "avx2"])
+def tile_linear(request):
+    """The FMA-chain tiles of one SIMD level (AVX-512, or AVX2 with FMA and F16C; an
+    AVX-512 machine runs both), where this CPU has them."""
     from spel_mlx import _spel_cpu as E
-    if E.simd() != "avx512":
-        pytest.skip("this CPU has no AVX-512: linear uses the BLAS")
-    return E
+    old = E.set_simd_level(request.param)
+    try:
+        if E.simd() != request.param or not E.fma_chain_linear():
+            pytest.skip(f"this CPU has no {request.param} tiles: linear uses the BLAS")
+        yield E
+    finally:
+        E.set_simd_level(old)
 
 
 @pytest.mark.parametrize("rows,cols,rb", [(192, 64, 64), (256, 96, 32), (48, 40, None), (2048, 256, 64)])
-def test_avx512_linear_equals_its_fma_reference(ops, avx512_linear, rows, cols, rb):
-    """The AVX-512 tiles compute each element as one fmaf chain over k in order:
+def test_tile_linear_equals_its_fma_reference(ops, tile_linear, rows, cols, rb):
+    """The tiles compute each element as one fmaf chain over k in order:
     bit-identical to the scalar reference, for any M (1..13: row groups of 6, tails);
     blocks that are not whole 16-column vectors go to the BLAS."""
-    E = avx512_linear
+    E = tile_linear
     lin = model_mod.Linear(cols, rows)
     for M in (1, 5, 13):
         ops.prepare_linear(lin, M)
@@ -241,7 +247,7 @@ def test_avx512_linear_equals_its_fma_reference(ops, avx512_linear, rows, cols, 
         assert np.abs(got - np.asarray(x, np.float64) @ np.asarray(lin.weight, np.float64).T).max() < 1e-4
 
 
-def test_avx512_fast_batches_equal_single_token_rows(models, avx512_linear):
+def test_tile_fast_batches_equal_single_token_rows(models, tile_linear):
     """With the FMA-chain products every part of a pass is row-independent: a fast
     K+1 (or 9-row) pass gives exactly the bits of single-token passes."""
     _, fused, _ = models
@@ -472,10 +478,10 @@ def test_portable_build_compiles():
     assert r.returncode == 0, r.stderr[-2000:]
 
 
-def test_tiles_read_one_weight_layout_for_every_batch(ops, avx512_linear):
+def test_tiles_read_one_weight_layout_for_every_batch(ops, tile_linear):
     """The AVX-512 tiles read 9 or 17 rows from the 64-row blocks of small batches (one
     copy of the weights); the BLAS keeps its 32-row blocks past 5 rows."""
-    E = avx512_linear
+    E = tile_linear
     assert [ops.layout_rows(M) for M in (1, 5, 9, 17)] == [1, 5, 5, 5]
     lin = model_mod.Linear(64, 192)
     ops.prepare_linear(lin, 9)
@@ -523,10 +529,10 @@ def test_pass_weight_blocks_start_on_cache_lines(models):
     assert np.array_equal(b.transpose(0, 2, 1).reshape(W.shape), W)
 
 
-def test_strict_batches_run_as_one_pass_only_when_rows_are_independent(models, avx512_linear):
+def test_strict_batches_run_as_one_pass_only_when_rows_are_independent(models, tile_linear):
     """With the AVX-512 tiles strict mode runs a K+1 batch as one pass (the same bits
     as single-token passes); with the BLAS products it keeps running them one by one."""
-    E = avx512_linear
+    E = tile_linear
     w, fused, plain = models
     toks = np.random.default_rng(6).integers(0, CFG.vocab, 30)
     seq = _decode(fused, toks, True, 1)

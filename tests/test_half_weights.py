@@ -99,10 +99,17 @@ def _block_dtypes(model) -> set:
     return {lin.blocks(model.ops.layout_rows(5)).dtype for lin in lins}
 
 
-@pytest.fixture
-def tiles():
-    if E.simd() != "avx512":
-        pytest.skip("this CPU has no AVX-512: the products are the BLAS, which reads float32 blocks")
+@pytest.fixture(params=["avx512", "avx2"])
+def tiles(request):
+    """The FMA-chain tiles of one SIMD level, where this CPU has them."""
+    old = E.set_simd_level(request.param)
+    try:
+        if E.simd() != request.param or not E.fma_chain_linear():
+            pytest.skip(f"this CPU has no {request.param} tiles: the products are the BLAS, "
+                        "which reads float32 blocks")
+        yield request.param
+    finally:
+        E.set_simd_level(old)
 
 
 def test_a_float16_model_passes_equal_its_float32_blocks(tiles):
@@ -125,11 +132,11 @@ def test_the_blocks_are_the_only_layout_kept():
     product reads; the shipped model's was 27 MB of resident memory)."""
     w = init_weights(CFG, seed=7)
     for model in ([_model(w, False)] + ([_model({k: v.astype(np.float16).astype(np.float32) for k, v in w.items()},
-                                                True)] if E.simd() == "avx512" else [])):
+                                                True)] if E.fma_chain_linear() else [])):
         _passes(model)
         kept = _layouts(model)
         assert kept and all(a.ndim == 3 for a in kept)
-        assert {a.dtype for a in kept} == ({mx.float16} if model.ops.half_weights and E.simd() == "avx512"
+        assert {a.dtype for a in kept} == ({mx.float16} if model.ops.half_weights and E.fma_chain_linear()
                                            else {mx.float32})
 
 

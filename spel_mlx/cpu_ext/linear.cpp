@@ -4,7 +4,7 @@
 // per block (as MLX's batched matmul makes).  The blocks hold float32, or binary16 where
 // every weight of the matrix is exactly a binary16 value (model.Linear checks): each is
 // widened exactly as it is read, so both give the same bits, and the tiles read half the
-// bytes (a pass's weights then stay in the L3 cache).
+// bytes (a pass's weights then stay in the L3 cache, or stream in half the time).
 #include <algorithm>
 #include <atomic>
 #include <cmath>
@@ -124,9 +124,84 @@ SPEL_TARGET_AVX512 void linear_avx512(const float* X, int64_t M, int64_t K, cons
 }
 #endif
 
-// Y [M, nb*rb] = X [M, d_in] (contiguous) times the row blocks: the AVX-512 tiles when
-// the CPU has them (blocks of whole 16-column vectors), else one BLAS sgemm per block
-// (binary16 blocks widened into a float32 copy first).
+// The same products on AVX2 machines (8-wide registers, FMA, F16C): MR (<= 6) rows
+// times 8*NC columns, NC chosen so the accumulators and weights fit the 16 registers.
+// The same per-element FMA chains as the AVX-512 tiles: the same bits.
+#if SPEL_AVX2
+#define SPEL_TARGET_AVX2_FMA __attribute__((target("avx2,fma,f16c")))
+SPEL_TARGET_AVX2_FMA inline __m256 load8(const float* W) { return _mm256_loadu_ps(W); }
+SPEL_TARGET_AVX2_FMA inline __m256 load8(const uint16_t* W) {   // binary16 widened exactly
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(W)));
+}
+
+template <int MR, int NC, class E>
+SPEL_TARGET_AVX2_FMA void tile_avx2(const float* X, int64_t K, const E* W, int64_t rb, float* Y, int64_t ldy) {
+  __m256 acc[MR][NC];
+#pragma GCC unroll 8
+  for (int m = 0; m < MR; m++)
+#pragma GCC unroll 4
+    for (int c = 0; c < NC; c++) acc[m][c] = _mm256_setzero_ps();
+  for (int64_t k = 0; k < K; k++) {
+    __m256 w[NC];
+#pragma GCC unroll 4
+    for (int c = 0; c < NC; c++) w[c] = load8(W + k * rb + 8 * c);
+#pragma GCC unroll 8
+    for (int m = 0; m < MR; m++) {
+      const __m256 xb = _mm256_broadcast_ss(X + m * K + k);
+#pragma GCC unroll 4
+      for (int c = 0; c < NC; c++) acc[m][c] = _mm256_fmadd_ps(xb, w[c], acc[m][c]);
+    }
+  }
+#pragma GCC unroll 8
+  for (int m = 0; m < MR; m++)
+#pragma GCC unroll 4
+    for (int c = 0; c < NC; c++) _mm256_storeu_ps(Y + m * ldy + 8 * c, acc[m][c]);
+}
+
+// columns [c0, rb) of one row block for rows r0 .. r0+MR, in tiles of 8*NC then 8
+template <int MR, int NC, class E>
+SPEL_TARGET_AVX2_FMA void cols_avx2(const float* x, int64_t K, const E* W, int64_t rb, float* y, int64_t ldy) {
+  int64_t c0 = 0;
+  for (; c0 + 8 * NC <= rb; c0 += 8 * NC) tile_avx2<MR, NC>(x, K, W + c0, rb, y + c0, ldy);
+  for (; c0 < rb; c0 += 8) tile_avx2<MR, 1>(x, K, W + c0, rb, y + c0, ldy);
+}
+
+template <class E>
+SPEL_TARGET_AVX2_FMA void linear_avx2(const float* X, int64_t M, int64_t K, const E* Wb, int64_t nb, int64_t rb,
+                                      float* Y) {
+  const int64_t ldy = nb * rb;
+  for (int64_t b = 0; b < nb; b++) {
+    const E* W = Wb + b * K * rb;
+    for (int64_t r0 = 0; r0 < M; r0 += 6) {
+      const float* x = X + r0 * K;
+      float* y = Y + r0 * ldy + b * rb;
+      switch (std::min<int64_t>(6, M - r0)) {
+        case 6: cols_avx2<6, 2>(x, K, W, rb, y, ldy); break;
+        case 5: cols_avx2<5, 2>(x, K, W, rb, y, ldy); break;
+        case 4: cols_avx2<4, 3>(x, K, W, rb, y, ldy); break;
+        case 3: cols_avx2<3, 3>(x, K, W, rb, y, ldy); break;
+        case 2: cols_avx2<2, 4>(x, K, W, rb, y, ldy); break;
+        default: cols_avx2<1, 4>(x, K, W, rb, y, ldy); break;
+      }
+    }
+  }
+}
+
+const bool HAVE_FMA_F16C = __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
+#endif
+
+// the FMA-chain tiles this CPU runs: 2 AVX-512, 1 AVX2 (with FMA and F16C), 0 none
+inline int tiles() {
+#if SPEL_AVX2
+  if (use_avx512()) return 2;
+  if (use_avx2() && HAVE_FMA_F16C) return 1;
+#endif
+  return 0;
+}
+
+// Y [M, nb*rb] = X [M, d_in] (contiguous) times the row blocks: the AVX-512 or AVX2
+// tiles when the CPU has them (blocks of whole 16-column vectors), else one BLAS sgemm
+// per block (binary16 blocks widened into a float32 copy first).
 template <class E>
 void linear_typed(const float* X, int64_t M, const E* Wb, const Blocks& B, float* Y) {
   const int64_t d_in = B.K, nb = B.nb, rb = B.rb;
@@ -136,8 +211,12 @@ void linear_typed(const float* X, int64_t M, const E* Wb, const Blocks& B, float
     return;
   }
 #if SPEL_AVX2
-  if (mode == 0 && use_avx512() && rb % 16 == 0) {
+  if (mode == 0 && rb % 16 == 0 && tiles() == 2) {
     linear_avx512(X, M, d_in, Wb, nb, rb, Y);
+    return;
+  }
+  if (mode == 0 && rb % 16 == 0 && tiles() == 1) {
+    linear_avx2(X, M, d_in, Wb, nb, rb, Y);
     return;
   }
 #endif
@@ -201,11 +280,11 @@ std::string set_linear(const std::string& mode) {
 }
 
 // True when linear_body computes every output element as one FMA chain over k in
-// order (the AVX-512 tiles or their reference) for blocks of whole 16-column vectors:
-// a row's product then does not depend on how many rows the call has.
+// order (the AVX-512 or AVX2 tiles, or their reference) for blocks of whole 16-column
+// vectors: a row's product then does not depend on how many rows the call has.
 bool fma_chain_linear() {
   const int mode = linear_mode.load();
-  return mode == 1 || (mode == 0 && use_avx512());
+  return mode == 1 || (mode == 0 && tiles() > 0);
 }
 
 }  // namespace spel

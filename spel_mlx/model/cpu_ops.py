@@ -49,9 +49,9 @@ class CPUFusedOps(MLXOps):
     windowed = False          # attention reads the rows each query sees, blocked over keys
 
     def __init__(self, half_weights: bool | None = None):
-        """``half_weights`` (None: SPEL_HALF_WEIGHTS, on by default): the AVX-512 tiles
-        read a matrix whose weights are all exactly binary16 from float16 blocks (the
-        same bits as float32 blocks, half the bytes: a pass's weights stay in L3)."""
+        """``half_weights`` (None: SPEL_HALF_WEIGHTS, on by default): the FMA-chain tiles
+        (AVX-512, or AVX2 with FMA and F16C) read a matrix whose weights are all exactly
+        binary16 from float16 blocks (the same bits as float32 blocks, half the bytes)."""
         ok, why = status()
         if not ok:
             raise RuntimeError(why)
@@ -118,7 +118,7 @@ class CPUFusedOps(MLXOps):
 
     @staticmethod
     def layout_rows(M: int) -> int:
-        """The batch size whose weight layout an M-row product reads: the AVX-512 tiles
+        """The batch size whose weight layout an M-row product reads: the tiles
         read every M best from the 64-row blocks of small batches (the 32-row blocks
         suit the BLAS, docs/model.md); one layout also keeps one copy of the weights."""
         return min(M, 5) if _spel_cpu.fma_chain_linear() else M
@@ -150,7 +150,7 @@ class CPUFusedOps(MLXOps):
 
     def rows_independent(self) -> bool:
         # every kernel works row by row; the products are one FMA chain per element
-        # only with the AVX-512 tiles
+        # only with the tiles (AVX-512, or AVX2 with FMA)
         return bool(_spel_cpu.fma_chain_linear()) and mx.default_device() == mx.cpu
 
     def conv_step(self, x, tail, conv):
