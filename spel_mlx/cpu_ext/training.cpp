@@ -3,7 +3,8 @@
 // many small nodes.  The gated delta rule's recurrence with its backward (states
 // recomputed per chunk from checkpoints), the SwiGLU gate's backward, and row-wise
 // softmax, log-sum-exp and the cross-entropy gradient.  Training needs no bit-identity
-// with decoding: each body has one portable form, compiled twice (AVX2 and baseline);
+// with decoding: each body has one portable form, compiled twice (AVX2 with FMA, and
+// the baseline), with contracted multiply-adds (CMakeLists.txt);
 // tests check both against MLX's autodiff of the plain formulas.  Items (rows, or
 // (sequence, head) pairs) are shared with the helper thread on a second core.
 #include <cmath>
@@ -183,10 +184,11 @@ SPEL_INLINE void delta_backward_item(const DeltaItem& it, const float* ck, const
   *dbeta = sum_b;
 }
 
-// Each body twice: for AVX2 (the same source, vectorized 8 wide) and the baseline.
+// Each body twice: for AVX2 with FMA (the same source, vectorized 8 wide; this file
+// is built with -ffp-contract=fast) and the baseline.
 #define SPEL_TWICE(name, params, args)                                        \
   void name##_base params { name args; }                                      \
-  SPEL_TARGET_AVX2 void name##_avx2 params { name args; }                    \
+  __attribute__((target("avx2,fma"))) void name##_avx2 params { name args; } \
   void name##_any params {                                                   \
     if (use_avx2()) name##_avx2 args; else name##_base args;                 \
   }
@@ -209,7 +211,9 @@ SPEL_TWICE(delta_backward_item,
 
 float logsumexp_row_base(const float* x, int64_t C) { return logsumexp_row(x, C); }
 #if SPEL_AVX2
-SPEL_TARGET_AVX2 float logsumexp_row_avx2(const float* x, int64_t C) { return logsumexp_row(x, C); }
+__attribute__((target("avx2,fma"))) float logsumexp_row_avx2(const float* x, int64_t C) {
+  return logsumexp_row(x, C);
+}
 #endif
 float logsumexp_row_any(const float* x, int64_t C) {
 #if SPEL_AVX2

@@ -1,7 +1,7 @@
 """Quality report of an exported model: held-out loss (nats/token, bits/byte) of
 the target and of the quantized draft, target/draft top-1 agreement, KL and
-distribution overlap at T 0.7 (teacher-forced), greedy speculative acceptance alpha
-at K on held-out prompts (the real C draft through ``spel_mlx.generate``), and
+distribution overlap at T 0.7 (teacher-forced), greedy and sampled speculative
+acceptance alpha at K on held-out prompts (the real C draft through ``spel_mlx.generate``), and
 sample continuations.
 
     python -m spel_mlx.train_report [--checkpoint spel_mlx/assets/default] [--data data/corpus]
@@ -34,13 +34,13 @@ SAMPLE_PROMPTS = ("It is a truth universally acknowledged, that",
 def heldout_eval(ckpt_path: str, data_dir: str, seq: int = 256, max_tokens: int = 0, chunk: int = 64) -> dict:
     from ..checkpoints import load_checkpoint
     from ..model import SpelModel
-    from ..tokenizer import load_tokenizer
+    from ..tokenizer import encode_documents, load_tokenizer
     ck = load_checkpoint(ckpt_path)
     cfg = ck.cfg
     tok_path = os.path.join(ckpt_path, "tokenizer.model") if os.path.isdir(ckpt_path) else None
     tok = load_tokenizer(cfg.vocab, tok_path if tok_path and os.path.exists(tok_path) else None)
     text = open(os.path.join(data_dir, "heldout.txt"), encoding="utf-8").read()
-    ids = np.asarray(tok.encode(text), dtype=np.int32)
+    ids = np.asarray(encode_documents(tok, text), dtype=np.int32)
     x, y = eval_windows(ids, seq, max_tokens or len(ids))
     n = len(x)
     model = SpelModel.from_weights(cfg, ck.weights)
@@ -93,8 +93,10 @@ def _generate(args: list) -> tuple:
 
 
 def alpha_on_heldout(ckpt_path: str, data_dir: str, n_prompts: int = 8, prompt_chars: int = 400,
-                     max_tokens: int = 64, k: int = 4, draft: str = "c") -> dict:
-    """Greedy speculative decoding from held-out prompts; alpha = accepted / proposed."""
+                     max_tokens: int = 64, k: int = 4, draft: str = "c", sampled: bool = False) -> dict:
+    """Speculative decoding from held-out prompts, every round drafting; alpha =
+    accepted / proposed.  Greedy, or (`sampled`) with generate's default sampling
+    (T 0.7, top-p 0.95, repetition penalty 1.1, the coupled rule), a seed per prompt."""
     text = open(os.path.join(data_dir, "heldout.txt"), encoding="utf-8").read()
     lines = [l for l in text.split("\n") if len(l) > 40]
     step = max(1, len(lines) // n_prompts)
@@ -105,15 +107,17 @@ def alpha_on_heldout(ckpt_path: str, data_dir: str, n_prompts: int = 8, prompt_c
             pf = os.path.join(td, f"p{i}.txt")
             with open(pf, "w") as f:
                 f.write(lines[i * step][:prompt_chars])
+            sampling = ["--seed", str(i)] if sampled else ["--temperature", "0"]
             _, st = _generate(["--checkpoint", ckpt_path, "--prompt-file", pf, "--mode", "spec",
-                               "--governor", "off", "--temperature", "0", "--spec-k", str(k), "--draft", draft,
+                               "--governor", "off", *sampling, "--spec-k", str(k), "--draft", draft,
                                "--max-tokens", str(max_tokens)])
             a, p = _accept_counts(st)
             acc += a
             prop += p
             per.append(round(a / p, 4) if p else None)
     return {"alpha": acc / prop if prop else float("nan"), "accepted": acc, "proposed": prop,
-            "per_prompt": per, "k": k, "draft": draft, "prompts": n_prompts, "max_tokens": max_tokens}
+            "per_prompt": per, "k": k, "draft": draft, "prompts": n_prompts, "max_tokens": max_tokens,
+            "sampling": "defaults" if sampled else "greedy"}
 
 
 def _accept_counts(st: dict) -> tuple:
@@ -141,6 +145,7 @@ def main(argv=None) -> int:
     ap.add_argument("--data", default="data/corpus")
     ap.add_argument("--out", default="", help="write the report JSON here too")
     ap.add_argument("--prompts", type=int, default=8)
+    ap.add_argument("--k", type=int, default=4, help="draft length of the alpha runs")
     ap.add_argument("--skip", default="", help="comma list of parts to skip: eval,alpha,samples")
     a = ap.parse_args(argv)
     return guarded(lambda: _report(a), (OSError, ValueError, RuntimeError))
@@ -153,8 +158,10 @@ def _report(a) -> int:
         rep["heldout"] = heldout_eval(a.checkpoint, a.data)
         print(json.dumps(rep["heldout"]), flush=True)
     if "alpha" not in skip:
-        rep["alpha"] = alpha_on_heldout(a.checkpoint, a.data, n_prompts=a.prompts)
+        rep["alpha"] = alpha_on_heldout(a.checkpoint, a.data, n_prompts=a.prompts, k=a.k)
         print(json.dumps(rep["alpha"]), flush=True)
+        rep["alpha_sampled"] = alpha_on_heldout(a.checkpoint, a.data, n_prompts=a.prompts, k=a.k, sampled=True)
+        print(json.dumps(rep["alpha_sampled"]), flush=True)
     if "samples" not in skip:
         rep["samples"] = samples(a.checkpoint)
         for s in rep["samples"]:
