@@ -4,6 +4,10 @@ import pytest
 
 import spel_mlx  # noqa: F401  (loads the fast BLAS before any test imports mlx)
 
+# the suite never reads or writes the user's governor store (its own tests point it at a
+# temporary folder): a stored verdict would make one test's calls depend on another's
+os.environ.setdefault("SPEL_GOVERNOR_STORE", "0")
+
 
 def require_or_skip(ok: bool, why: str, env: str = "SPEL_REQUIRE_CROSS"):
     """Skip when a tool is missing, unless CI demands it (`env`=1: SPEL_REQUIRE_CROSS for

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from ..decoding import MODES, PROPOSER_KINDS, DecodeError, GovernorConfig, SamplingParams, SpeculativeDecoder  # noqa: F401
 from ..decoding.ahead import usable_cpus
 from ..decoding.c_proposer import DRAFT_CONTEXT, checked_draft_context
+from ..decoding import governor_store
 from ..decoding.factory import default_draft_threads, make_proposer
 from ..decoding.loop import MAX_K, checked_prompt  # noqa: F401
 from ..decoding.sampling import DEFAULT_ACCEPT, SamplingError  # noqa: F401
@@ -119,6 +120,18 @@ def _proposer(loaded, settings: DecodeSettings, k: int, params):
     return proposer
 
 
+def _recall_governor(loaded, proposer, k: int, params):
+    """The governor store's key for this call (None: nothing to keep); a proposer's first
+    call in this process starts from what an earlier process on this machine learned."""
+    if proposer is None or loaded.pipeline is not None or not governor_store.enabled():
+        return None
+    sampled = params is not None and not params.greedy
+    key = governor_store.key(loaded.source, proposer.name, k, sampled, loaded.device)
+    if proposer.governor_memory is None:
+        proposer.governor_memory = governor_store.recall(key)
+    return key
+
+
 class Decoding:
     """One decoding call.  `stats` is the engine's statistics dict, current after
     every round (and after an interrupt)."""
@@ -149,6 +162,7 @@ class Decoding:
         k = loaded.cfg.spec_k if s.k is None else s.k
         with loaded.lock, device_scope(loaded.device):
             proposer = _proposer(loaded, s, k, self.params)
+            store = _recall_governor(loaded, proposer, k, self.params)
             runner = loaded.pipeline.runner if loaded.pipeline is not None else None
             self.decoder = SpeculativeDecoder(loaded.model, proposer, s.mode, k=k, strict=s.strict,
                                               params=self.params, governor=s.governor,
@@ -160,8 +174,12 @@ class Decoding:
                 if should_stop is not None and should_stop():
                     raise Cancelled
 
-            return self.decoder.generate(prompt, max_tokens, on_round=hook, calibrate=calibrate,
-                                         stop_tokens=stop_tokens)
+            try:
+                return self.decoder.generate(prompt, max_tokens, on_round=hook, calibrate=calibrate,
+                                             stop_tokens=stop_tokens)
+            finally:
+                if store is not None:
+                    governor_store.remember(store, proposer.governor_memory)
 
     @property
     def draft_threads(self):
