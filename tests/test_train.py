@@ -431,3 +431,27 @@ def test_documents_end_at_chapter_headings():
     assert out.replace(EOT_LINE, "") == text
     kjv = "Genesis 1\n" + para + "Genesis 2\n" + para
     assert C.mark_documents(kjv, C.KJV_HEADING).count(EOT_LINE) == 2
+
+
+def test_draft_run_with_its_own_draft_map(tmp_path, target_run, data_dir):
+    """--draft-map: a draft of other target layers distilled from a target run (its layers
+    start as copies of those), saved with the new map; a draft run cannot change it."""
+    trun, _ = target_run
+    _, _, tparams, _, _ = runs.load_checkpoint_dir(trun)
+    run = str(tmp_path / "two")
+    loop.train(run, None, _tc(data_dir, mode="draft", init=trun, steps=2, draft_map="0:3"),
+               tokenizer=ByteTokenizer(), quiet=True, stop_after=1)
+    _, cfg, dparams, _, _ = runs.load_checkpoint_dir(run)
+    assert cfg.draft_map == (0, 3) and cfg.draft_params() < TINY.draft_params()
+    assert "draft.layers.2.attn_norm.weight" not in dparams
+    # draft layer 1 started as target layer 3 (one Adam step of lr 3e-3 from it), not layer 1
+    d1, t3, t1 = (np.array(p[n]) for p, n in ((dparams, "draft.layers.1.mixer.wqkv.weight"),
+                                               (tparams, "layers.3.mixer.wqkv.weight"),
+                                               (tparams, "layers.1.mixer.wqkv.weight")))
+    assert np.abs(d1 - t3).max() < 2 * 3e-3 < np.abs(d1 - t1).max()
+    with pytest.raises(config.TrainError, match="out of range"):
+        loop.train(str(tmp_path / "bad"), None, _tc(data_dir, mode="draft", init=trun, draft_map="0:9"),
+                   tokenizer=ByteTokenizer(), quiet=True)
+    with pytest.raises(config.TrainError, match="starts from a target run"):
+        loop.train(str(tmp_path / "again"), None, _tc(data_dir, mode="draft", init=run, draft_map="0:1:2"),
+                   tokenizer=ByteTokenizer(), quiet=True)

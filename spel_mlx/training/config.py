@@ -54,6 +54,7 @@ class TrainConfig:
     data: str = "data/corpus"
     tokenizer: str = ""           # default: spel_mlx/assets/tokenizer.model
     init: str = ""                # draft mode: a target or draft run, or an exported model
+    draft_map: str = ""           # draft mode from a target run: its layers ("0:3:6"; "": the run's)
     onpolicy: str = ""            # draft mode: .npy of target-generated windows [n, seq+1]
     onpolicy_frac: float = 0.5    # share of each draft batch drawn from them
     # draft mode: the loss is KL(target_T || draft_T), logits divided by T, with

@@ -53,6 +53,16 @@ def _initial_params(cfg: ModelConfig | None, tc: TrainConfig):
     kind, cfg_t, params_t = load_start(tc.init)
     if cfg is not None and cfg != cfg_t:
         raise TrainError(f"--config differs from the target run {tc.init}'s config")
+    if tc.draft_map:
+        try:
+            layers = tuple(int(i) for i in tc.draft_map.split(":"))
+            new = dataclasses.replace(cfg_t, draft_map=layers).validate()
+        except ValueError as e:
+            raise TrainError(f"--draft-map {tc.draft_map!r}: {e}") from None
+        if kind != "target" and new.draft_map != cfg_t.draft_map:
+            raise TrainError(f"--draft-map {tc.draft_map!r}: a new draft map starts from a target run, "
+                             f"not from {tc.init} (a {kind})")
+        cfg_t = new
     # from a target run: draft layers start as copies of target layers; from a
     # draft run or an exported model: its distilled draft is trained further
     params = dict(params_t) if kind in ("draft", "export") else \
