@@ -247,6 +247,27 @@ def test_tile_linear_equals_its_fma_reference(ops, tile_linear, rows, cols, rb):
         assert np.abs(got - np.asarray(x, np.float64) @ np.asarray(lin.weight, np.float64).T).max() < 1e-4
 
 
+def test_tile_blocks_shared_with_the_helper_give_the_same_bits(ops, tile_linear):
+    """set_linear_share: the row blocks of one product split between two threads; each
+    block is one tile's columns whatever thread runs it, so the bits are the same (and the
+    helper ran some of them: the shared path was taken)."""
+    E = tile_linear
+    lin = model_mod.Linear(384, 1152)
+    for M in (1, 5, 13):
+        ops.prepare_linear(lin, M)
+        x = _rand((M, 384), M)
+        want = np.asarray(ops.linear(x, lin))
+        old, before, tries = E.set_linear_share(True), E.helper_items_run(), 0
+        try:
+            # until the helper has run a block (a loaded machine may not schedule it at once)
+            while tries < 4 or (E.helper_state() == "on" and E.helper_items_run() == before and tries < 400):
+                assert np.array_equal(np.asarray(ops.linear(x, lin)), want), M
+                tries += 1
+        finally:
+            E.set_linear_share(old)
+        assert E.helper_state() != "on" or E.helper_items_run() > before
+
+
 def test_tile_fast_batches_equal_single_token_rows(models, tile_linear):
     """With the FMA-chain products every part of a pass is row-independent: a fast
     K+1 (or 9-row) pass gives exactly the bits of single-token passes."""

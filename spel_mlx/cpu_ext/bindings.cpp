@@ -35,6 +35,8 @@ NB_MODULE(_spel_cpu, m) {
   m.def("fma_chain_linear", &fma_chain_linear,
         "True when linear products are per-element FMA chains (independent of the row count)");
   m.def("set_linear", &set_linear, nb::arg("mode"), "The linear product: auto, reference or blas; returns the old one");
+  m.def("set_linear_share", &set_linear_share, nb::arg("enable"),
+        "Share the tiles' row blocks with the helper thread (the same bits); returns the old setting");
   m.def("simd", &simd, "The SIMD variant the primitives use (\"avx512\", \"avx2\" or \"none\")");
   m.def("set_simd", &set_simd, nb::arg("enable"), "Allow (default) or forbid the SIMD variants; returns the old setting");
   m.def("set_simd_level", &set_simd_level, nb::arg("level"),

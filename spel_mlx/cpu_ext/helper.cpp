@@ -25,6 +25,8 @@ std::atomic<int64_t> helper_items{0};   // items the helper thread has run
 // After a prewake the helper waits this long awake for the job (a sleeping thread
 // takes tens of microseconds to wake); then it sleeps again.
 constexpr auto AWAKE = std::chrono::microseconds(300);
+// After a job it stays awake this long for the next one (a pass's next product).
+constexpr auto AWAKE_AFTER = std::chrono::microseconds(100);
 
 inline void pause() {
 #if defined(__x86_64__)
@@ -101,6 +103,10 @@ class Helper {
         helper_items.fetch_add(1, std::memory_order_relaxed);
       }
       busy_.store(false);
+      // the products of one pass come as a burst of jobs: stay awake a while for the next
+      const auto until = std::chrono::steady_clock::now() + AWAKE_AFTER;
+      while ((word_.load() >> 32) == seen && std::chrono::steady_clock::now() < until)
+        for (int i = 0; i < 64; i++) pause();
     }
   }
 

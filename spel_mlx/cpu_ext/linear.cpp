@@ -28,6 +28,9 @@ namespace spel {
 namespace {
 
 std::atomic<int> linear_mode{0};   // 0 auto, 1 the fmaf reference (tests), 2 OpenBLAS
+std::atomic<bool> linear_share{false};   // the tiles' blocks shared with the helper thread
+// fewer multiply-adds than this: one thread (waking the helper would cost more)
+constexpr int64_t SHARE_MIN_MACS = 1 << 17;
 
 // Row blocks [nb, K, rb] of float32 or binary16 weights.
 struct Blocks {
@@ -101,8 +104,7 @@ SPEL_TARGET_AVX512 void tile_avx512_cols(int nc, const float* X, int64_t K, cons
 
 template <class E>
 SPEL_TARGET_AVX512 void linear_avx512(const float* X, int64_t M, int64_t K, const E* Wb, int64_t nb, int64_t rb,
-                                      float* Y) {
-  const int64_t ldy = nb * rb;
+                                      float* Y, int64_t ldy) {
   for (int64_t b = 0; b < nb; b++) {
     const E* W = Wb + b * K * rb;
     for (int64_t c0 = 0; c0 < rb; c0 += 64) {
@@ -168,8 +170,7 @@ SPEL_TARGET_AVX2_FMA void cols_avx2(const float* x, int64_t K, const E* W, int64
 
 template <class E>
 SPEL_TARGET_AVX2_FMA void linear_avx2(const float* X, int64_t M, int64_t K, const E* Wb, int64_t nb, int64_t rb,
-                                      float* Y) {
-  const int64_t ldy = nb * rb;
+                                      float* Y, int64_t ldy) {
   for (int64_t b = 0; b < nb; b++) {
     const E* W = Wb + b * K * rb;
     for (int64_t r0 = 0; r0 < M; r0 += 6) {
@@ -211,12 +212,20 @@ void linear_typed(const float* X, int64_t M, const E* Wb, const Blocks& B, float
     return;
   }
 #if SPEL_AVX2
-  if (mode == 0 && rb % 16 == 0 && tiles() == 2) {
-    linear_avx512(X, M, d_in, Wb, nb, rb, Y);
-    return;
-  }
-  if (mode == 0 && rb % 16 == 0 && tiles() == 1) {
-    linear_avx2(X, M, d_in, Wb, nb, rb, Y);
+  const int t = mode == 0 && rb % 16 == 0 ? tiles() : 0;
+  if (t > 0) {
+    // a block's columns are one tile's whatever thread runs it: the same bits shared or not
+    auto block = [&](int64_t b) {
+      if (t == 2)
+        linear_avx512(X, M, d_in, Wb + b * d_in * rb, 1, rb, Y + b * rb, nb * rb);
+      else
+        linear_avx2(X, M, d_in, Wb + b * d_in * rb, 1, rb, Y + b * rb, nb * rb);
+    };
+    if (nb >= 2 && M * d_in * rb * nb >= SHARE_MIN_MACS && linear_share.load(std::memory_order_relaxed)) {
+      share_items(nb, block);
+    } else {
+      for (int64_t b = 0; b < nb; b++) block(b);
+    }
     return;
   }
 #endif
@@ -278,6 +287,9 @@ std::string set_linear(const std::string& mode) {
     if (mode == names[i]) return names[linear_mode.exchange(i)];
   throw std::invalid_argument("set_linear: expected auto, reference or blas, not " + mode);
 }
+
+// Share the tiles' row blocks with the helper thread (the same bits); returns the old setting.
+bool set_linear_share(bool enable) { return linear_share.exchange(enable); }
 
 // True when linear_body computes every output element as one FMA chain over k in
 // order (the AVX-512 or AVX2 tiles, or their reference) for blocks of whole 16-column

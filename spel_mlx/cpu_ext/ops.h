@@ -20,6 +20,7 @@ namespace spel {
 // linear.cpp: x [M, in] @ W^T from the contiguous row blocks [nb, in, rb] of model.Linear
 mx::array linear(const mx::array& x, const mx::array& blocks);
 std::string set_linear(const std::string& mode);
+bool set_linear_share(bool enable);
 bool fma_chain_linear();
 
 // norm_gate.cpp: RMSNorm of each row; the SwiGLU gate silu(a) * b
