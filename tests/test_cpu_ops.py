@@ -576,3 +576,15 @@ def test_strict_batches_run_as_one_pass_only_when_rows_are_independent(models, t
         assert np.abs(got - seq).max() < 1e-4
     finally:
         del fused._run
+
+
+def test_read_seconds_reads_every_element():
+    """The bandwidth probe reads the whole array: its sum is exact for small integers
+    (any element it skipped would show), and it refuses what it cannot read."""
+    from spel_mlx import _spel_cpu as E
+    a = mx.array((np.arange(100_003) % 7).astype(np.float32))
+    mx.eval(a)
+    seconds, total = E.read_seconds(a)
+    assert seconds > 0 and total == float(np.sum(np.arange(100_003) % 7))
+    with pytest.raises(ValueError, match="float32"):
+        E.read_seconds(mx.zeros((4,), mx.int32))

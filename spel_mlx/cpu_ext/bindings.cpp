@@ -37,6 +37,8 @@ NB_MODULE(_spel_cpu, m) {
   m.def("set_linear", &set_linear, nb::arg("mode"), "The linear product: auto, reference or blas; returns the old one");
   m.def("set_linear_share", &set_linear_share, nb::arg("enable"),
         "Share the tiles' row blocks with the helper thread (the same bits); returns the old setting");
+  m.def("read_seconds", &read_seconds, nb::arg("a"),
+        "(seconds one thread takes to read an evaluated float32 array, the sum it read)");
   m.def("simd", &simd, "The SIMD variant the primitives use (\"avx512\", \"avx2\" or \"none\")");
   m.def("set_simd", &set_simd, nb::arg("enable"), "Allow (default) or forbid the SIMD variants; returns the old setting");
   m.def("set_simd_level", &set_simd_level, nb::arg("level"),

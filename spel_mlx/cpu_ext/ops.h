@@ -112,6 +112,10 @@ class HostTokens {
   mx::array array_;
 };
 
+// probe.cpp: (seconds one thread takes to read every element of an evaluated float32
+// array, their sum) -- the read bandwidth bench/ reports beside the AR step
+std::pair<double, float> read_seconds(const mx::array& a);
+
 // common.cpp: timing of the bodies ({kind: (calls, seconds)} so far, then reset), the
 // SIMD variant in use ("avx512", "avx2" or "none") and the switch to the scalar references
 std::map<std::string, std::pair<int64_t, double>> profile(bool enable);
