@@ -366,3 +366,25 @@ def test_apply_placement_returns_a_working_draft(tiny_model):
     off = placement.Placement("gpu", "c", "cpu", 1, available=False, reason="no GPU")
     with pytest.raises(placement.PlacementError, match="no GPU"):
         placement.apply_placement(off, model, weights)
+
+
+def test_wall_pairs_default_and_ar_processes(tmp_path):
+    """bench/wall.py: held-out prompts without end-of-text marks, and interleaved pairs of
+    fresh processes whose greedy outputs agree (a random-weight model, a few tokens)."""
+    from bench import wall
+    from spel_mlx.checkpoints import write_spelw
+    from spel_mlx.config import ModelConfig
+    from spel_mlx.model import init_weights
+    (tmp_path / "heldout.txt").write_text("first line\n<|endoftext|>\nCHAPTER 2\n" + "word " * 400 + "\n" * 3 +
+                                         "more words here " * 100 + "\n")
+    prompts = wall.held_out_prompts(str(tmp_path), 2, chars=80)
+    assert len(prompts) == 2 and all(p and "endoftext" not in p and len(p) <= 80 for p in prompts)
+    cfg = ModelConfig(d_model=64, n_layers=4, n_heads=2, head_dim=32, d_ff=96, vocab=128, max_seq=256,
+                      draft_map=(0, 3)).validate()
+    ck = tmp_path / "m.spelw"
+    write_spelw(str(ck), cfg, init_weights(cfg, seed=2))
+    pf = tmp_path / "p.txt"
+    pf.write_text(prompts[0])
+    env = {**os.environ, "SPEL_GOVERNOR_STORE": "0"}
+    r = wall.measure(str(pf), ["--max-tokens", "6", "--temperature", "0", "--checkpoint", str(ck)], 2, env)
+    assert r["same_output"] and len(r["ratios"]) == 2 and r["default_wall_s"] > 0 and r["ar_wall_s"] > 0
