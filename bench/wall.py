@@ -29,11 +29,11 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def held_out_prompts(data_dir: str, n: int, chars: int = 300) -> list:
     """n passages of held-out text (never seen in training), each from a line start."""
     text = open(os.path.join(data_dir, "heldout.txt"), encoding="utf-8").read()
-    text = text.replace("<|endoftext|>\n", "")
+    lines = [ln for ln in text.replace("<|endoftext|>\n", "").split("\n") if ln.strip()]
     out = []
     for i in range(1, n + 1):
-        at = text.find("\n", len(text) * i // (n + 1)) + 1
-        out.append(text[at:at + chars].rsplit(" ", 1)[0])
+        passage = "\n".join(lines[len(lines) * i // (n + 1):])[:chars]
+        out.append(passage.rsplit(" ", 1)[0] if " " in passage else passage)
     return out
 
 
