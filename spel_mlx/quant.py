@@ -136,3 +136,30 @@ def gemv_ternary_ref(t_or_packed, s, x, cols: int | None = None) -> np.ndarray:
 
 def dequantize(q, s) -> np.ndarray:
     return (q.astype(np.float32) * s[:, None]).astype(np.float32)
+
+
+QUANTIZERS = {"q8": quantize_q8, "ternary": quantize_ternary}
+
+
+def snap(w, scheme: str, max_steps: int = 8) -> tuple:
+    """(v, q, s): the weights the deployed draft uses, as float32 values on their own grid:
+    v = dequantize(q, s) with quantize(v) == (q, s) exactly, so the draft stored as v (or
+    as q and s) quantizes at load to the same codes and scales, and q and s are recovered
+    from v without loss.  Ternary rows land there in one step; a q8 scale
+    s' = fl(fl(127 s) / 127) can move by an ulp, so it is iterated to its fixed point."""
+    quantize = QUANTIZERS[scheme]
+    q, s = quantize(w)
+    for _ in range(max_steps):
+        v = dequantize(q, s)
+        q2, s2 = quantize(v)
+        if np.array_equal(q2, q) and np.array_equal(s2.view(np.uint32), s.view(np.uint32)):
+            return v, q, s
+        q, s = q2, s2
+    raise ValueError(f"{scheme} weights did not reach a fixed point in {max_steps} steps")
+
+
+def on_grid(v, scheme: str) -> bool:
+    """Whether float32 weights are their own quantization (what ``snap`` returns)."""
+    v = _f32_2d(v)
+    q, s = QUANTIZERS[scheme](v)
+    return np.array_equal(dequantize(q, s).view(np.uint32), v.view(np.uint32))

@@ -126,3 +126,21 @@ def test_reference_gemvs_match_dequantized_math():
     y1 = quant.gemv_ternary_ref(t, st, x)
     y2 = quant.gemv_ternary_ref(quant.pack_ternary(t), st, x, cols=150)
     assert np.array_equal(y1, y2)
+
+
+@pytest.mark.parametrize("scheme", ["q8", "ternary"])
+def test_snap_reaches_a_fixed_point_that_packs_without_loss(scheme):
+    """snap: float32 values whose quantization is exactly the codes and scales they were
+    made from (so a draft stored as codes and scales loads to the same bits), near the
+    original weights' quantization; raw weights are not on the grid (negative control)."""
+    rng = np.random.default_rng(3)
+    w = (rng.standard_normal((96, 200)) * rng.uniform(0.01, 3, (96, 1))).astype(np.float32)
+    w[5] = 0.0                                               # an all-zero row stays zero
+    v, q, s = quant.snap(w, scheme)
+    assert v.dtype == np.float32 and quant.on_grid(v, scheme) and not quant.on_grid(w, scheme)
+    q2, s2 = quant.QUANTIZERS[scheme](v)
+    assert np.array_equal(q2, q) and np.array_equal(s2.view(np.uint32), s.view(np.uint32))
+    assert np.array_equal(quant.dequantize(q2, s2).view(np.uint32), v.view(np.uint32))
+    q0, s0 = quant.QUANTIZERS[scheme](w)
+    assert np.abs(q.astype(int) - q0).max() <= 1 and np.allclose(s, s0, rtol=1e-6)
+    assert not v[5].any()
