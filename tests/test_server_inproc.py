@@ -1,5 +1,6 @@
 """Server settings the tests build the app with (in process, under uvicorn): the model
-folder's chat template, CORS origins, allowed Host names."""
+folder's chat template, CORS origins, allowed Host names, a tokenizer's end-of-text
+token ending a reply."""
 import json
 
 import pytest
@@ -95,5 +96,43 @@ def test_cors_and_allowed_hosts(model):
         status, headers, _ = srv.request("GET", "/v1/models", headers={"Origin": "http://app.example",
                                                                        "Host": "anything.example"})
         assert status == 200 and "access-control-allow-origin" not in headers
+    finally:
+        srv.stop()
+
+
+class _EotTokenizer:
+    """The shipped tokenizer with one of its ids standing in for the end-of-text piece."""
+
+    def __init__(self, tok, eot_id):
+        self._tok, self.eot_id = tok, eot_id
+
+    def __getattr__(self, name):
+        return getattr(self._tok, name)
+
+
+def test_end_of_text_ends_a_reply(model):
+    """The model's end-of-text token ends a completion: finish_reason "stop" and
+    spel.stop_reason "end_of_text", streamed and whole, the text the Python API's."""
+    from spel_mlx import stream_generate
+    loaded, tok = model
+    prompt = "Elizabeth was"
+    free = [t for r in stream_generate(loaded, tok, prompt, 30, temperature=0) for t in r.tokens]
+    eot = _EotTokenizer(tok, free[7])
+    want = "".join(r.text for r in stream_generate(loaded, eot, prompt, 30, temperature=0))
+    srv = InProcessServer(loaded, eot)
+    try:
+        body = {"prompt": prompt, "max_tokens": 30, "temperature": 0}
+        status, _, raw = srv.post_json("/v1/completions", body)
+        r = json.loads(raw)
+        assert status == 200 and r["choices"][0]["text"] == want
+        assert (r["choices"][0]["finish_reason"], r["spel"]["stop_reason"]) == ("stop", "end_of_text")
+        assert r["usage"]["completion_tokens"] == free.index(free[7]) + 1
+        status, _, raw = srv.post_json("/v1/completions", {**body, "stream": True})
+        events = [e for e in raw.decode().split("\n\n") if e]
+        assert events[-1] == "data: [DONE]"
+        chunks = [json.loads(e.removeprefix("data: ")) for e in events[:-1]]
+        assert "".join(c["choices"][0]["text"] for c in chunks) == want
+        last = chunks[-1]
+        assert (last["choices"][0]["finish_reason"], last["spel"]["stop_reason"]) == ("stop", "end_of_text")
     finally:
         srv.stop()
