@@ -7,7 +7,8 @@ simple `text/plain` request (no CORS preflight), and a page on a name rebound to
 (a cross-origin JSON POST needs a preflight, which fails without --allowed-origins),
 and the Host header must name a loopback address or a name given with --allowed-hosts
 (a rebound name does not).  Starlette's TrustedHostMiddleware is not used: it answers
-in plain text, not OpenAI's error body, and misreads a bracketed IPv6 host ([::1]:8080)."""
+in plain text ("Invalid host header"), not with OpenAI's error body that clients parse,
+and it matches names only (127.0.0.0/8 is loopback as a whole)."""
 from __future__ import annotations
 
 import hmac
