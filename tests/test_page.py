@@ -191,8 +191,9 @@ def test_stop_ends_decoding(server, browser):
     browser.find_element(_by("ID"), "generate").click()
     shown = browser.find_element(_by("ID"), "tokens")
     _wait(browser, lambda d: shown.text.isdigit() and int(shown.text) >= 800)   # well into the stream
-    at_click = int(shown.text)
-    browser.find_element(_by("ID"), "stop").click()
+    # read what the page shows and click Stop in one step in the page (no WebDriver round trip between)
+    at_click = browser.execute_script("const n = +document.getElementById('tokens').textContent;"
+                                      "document.getElementById('stop').click(); return n;")
     status = browser.find_element(_by("ID"), "status")
     _wait(browser, lambda d: status.get_attribute("data-state") == "done")
     assert status.text == "stopped"
