@@ -198,3 +198,13 @@ def test_sigterm_during_a_stream(tmp_path):
     assert exit_code == -signal.SIGTERM and elapsed < 2.0, (exit_code, elapsed)
     tokens = sum(len(json.loads(e.removeprefix("data: "))["spel"]["tokens"]) for e in events[:-2])
     assert tokens < 4000
+
+
+def test_ctrl_c_exits_cleanly(tmp_path):
+    """Ctrl-C: the same shutdown, exit status 130, no KeyboardInterrupt traceback."""
+    require_or_skip(server_packages_missing() is None, server_packages_missing(), env="SPEL_REQUIRE_SERVER")
+    srv = LiveServer("--no-warmup", log_dir=tmp_path)
+    assert srv.health()["status"] == "ok"
+    assert srv.stop() == 130
+    log = srv.log()
+    assert "Application shutdown complete" in log and "Traceback" not in log and "KeyboardInterrupt" not in log

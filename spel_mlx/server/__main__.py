@@ -87,8 +87,7 @@ def main(argv=None) -> int:
                      api_key=args.api_key, queue_size=args.queue_size, defaults=defaults,
                      warmup=not args.no_warmup, allowed_hosts=bound + args.allowed_hosts,
                      allowed_origins=args.allowed_origins, chat_format=chat_format)
-    run(app, host=args.host, port=args.port, log_level=args.log_level)
-    return 0
+    return run(app, host=args.host, port=args.port, log_level=args.log_level)
 
 
 if __name__ == "__main__":

@@ -33,6 +33,11 @@ class Server(uvicorn.Server):
         super().handle_exit(sig, frame)
 
 
-def run(app, host: str, port: int, log_level: str):
+def run(app, host: str, port: int, log_level: str) -> int:
+    """Serve until a signal; the exit status (130 after Ctrl-C)."""
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=GRACE_S)
-    Server(config, on_exit=app.state.worker.begin_shutdown).run()
+    try:
+        Server(config, on_exit=app.state.worker.begin_shutdown).run()
+    except KeyboardInterrupt:   # uvicorn raises the Ctrl-C again once it has shut down cleanly
+        return 130
+    return 0
