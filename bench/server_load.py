@@ -41,12 +41,14 @@ class LiveServer:
     """`python -m spel_mlx.server ARGS` on a free loopback port, up when constructed."""
 
     def __init__(self, *args, log_dir: str, timeout: float = 120):
+        args = [str(a) for a in args]
+        self.key = args[args.index("--api-key") + 1] if "--api-key" in args else None
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = os.path.join(log_dir, f"server-{self.port}.log")
         self._log = open(self.log_path, "w")
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "spel_mlx.server", "--port", str(self.port), *map(str, args)],
+            [sys.executable, "-m", "spel_mlx.server", "--port", str(self.port), *args],
             cwd=REPO, stdout=self._log, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + timeout
         while True:
@@ -61,8 +63,11 @@ class LiveServer:
                     raise RuntimeError(f"the server did not come up in {timeout} s:\n{self.log()}")
                 time.sleep(0.1)
 
-    def health(self) -> dict:
-        with urllib.request.urlopen(self.url + "/health", timeout=5) as r:
+    def health(self, key: str | None = None) -> dict:
+        """/health, with the server's key (its counts and recent requests are shown only then)."""
+        key = key or self.key
+        req = urllib.request.Request(self.url + "/health", headers={"Authorization": f"Bearer {key}"} if key else {})
+        with urllib.request.urlopen(req, timeout=5) as r:
             return json.load(r)
 
     def log(self) -> str:

@@ -1,11 +1,14 @@
 """`python -m spel_mlx.server` on a free loopback port, driven by the official `openai`
 client: completions and chat, streaming and not, the text equal to the Python API's,
-stop strings, seeds, 400/401/429, a client that disconnects, and the server staying up."""
+stop strings, seeds, include_usage, logprobs, /metrics, the OpenAPI docs, 400/401/429,
+a client that disconnects, and the server staying up.  Hostile input, exposure and
+shutdown: test_server_hostile.py; the fuzz test: test_server_fuzz.py."""
 import http.client
 import json
 import socket
-import threading
 import time
+import urllib.error
+import urllib.request
 
 import pytest
 
@@ -50,13 +53,19 @@ def server_packages_missing():
     return None
 
 
-def raw_request(server, path, body, key=KEY):
-    """A POST on a plain socket, so the test can read part of the answer and hang up."""
+def send_request(server, path, body, key=KEY, headers=None):
+    """A POST on a plain socket, sent, its answer not read yet."""
     conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=60)
-    headers = {"Content-Type": "application/json"}
+    headers = {"Content-Type": "application/json", **(headers or {})}
     if key is not None:
         headers["Authorization"] = f"Bearer {key}"
     conn.request("POST", path, body=body if isinstance(body, (bytes, str)) else json.dumps(body), headers=headers)
+    return conn
+
+
+def raw_request(server, path, body, key=KEY, headers=None):
+    """A POST on a plain socket, so the test can read part of the answer and hang up."""
+    conn = send_request(server, path, body, key, headers)
     return conn, conn.getresponse()
 
 
@@ -95,7 +104,8 @@ def test_streaming_completion(client):
     assert any(any(s["from_draft"]) for s in rounds)          # greedy on the shipped model: alpha is high
     assert all(s["from_draft"][-1] is False for s in rounds)   # each round ends with the target's token
     last = chunks[-1]
-    assert last.choices[0].finish_reason == "length" and last.usage.completion_tokens == 24
+    assert last.choices[0].finish_reason == "length"
+    assert all(c.usage is None for c in chunks)                # no usage unless include_usage asks for it
 
 
 def test_stream_ends_with_done(server):
@@ -109,10 +119,11 @@ def test_stream_ends_with_done(server):
 
 def test_chat(client, reference):
     from spel_mlx import generate
-    from spel_mlx.server.protocol import CHAT_STOP, chat_prompt
+    from spel_mlx.server.chat import PLAIN_STOP, plain_prompt
     messages = [{"role": "system", "content": "A conversation."}, {"role": "user", "content": "Who is Mr. Darcy?"}]
-    assert chat_prompt(messages) == "A conversation.\n\nUser: Who is Mr. Darcy?\n\nAssistant:"
-    want = generate(*reference, chat_prompt(messages), max_tokens=20, temperature=0, stop=[CHAT_STOP])
+    prompt = plain_prompt([(m["role"], m["content"]) for m in messages])
+    assert prompt == "A conversation.\n\nUser: Who is Mr. Darcy?\n\nAssistant:"
+    want = generate(*reference, prompt, max_tokens=20, temperature=0, stop=[PLAIN_STOP])
     r = client.chat.completions.create(model="m", messages=messages, max_tokens=20, temperature=0)
     assert r.choices[0].message.role == "assistant" and r.choices[0].message.content == want
     chunks = list(client.chat.completions.create(model="m", messages=messages, max_tokens=20, temperature=0,
@@ -164,7 +175,7 @@ def test_bad_chat_and_json_are_400(server, client):
     import openai
     with pytest.raises(openai.BadRequestError) as e:
         client.chat.completions.create(model="m", messages=[{"role": "wizard", "content": "hi"}])
-    assert e.value.body["param"] == "messages[0]"
+    assert e.value.body["param"] == "messages[0].role"
     for body in (b"{not json", b"[1, 2]", json.dumps({"max_tokens": 4})):
         conn, resp = raw_request(server, "/v1/completions", body)
         err = json.loads(resp.read())["error"]
@@ -190,7 +201,7 @@ def test_api_key(server):
                              key=None)
     assert resp.status == 401 and json.loads(resp.read())["error"]["code"] == "invalid_api_key"
     conn.close()
-    assert server.health()["status"] == "ok"       # the page and health need no key
+    assert server.health(key="none")["status"] == "ok"       # the page and health need no key
 
 
 def _start_long(server):
@@ -225,15 +236,14 @@ def test_full_queue_is_429(server, client):
     import openai
     running = _start_long(server)
     wait_for(lambda: server.health()["busy"], "the long request to run")
-    queued = []
-    for _ in range(2):                              # --queue-size 2
-        threading.Thread(target=lambda: queued.append(raw_request(server, "/v1/completions", {
-            "prompt": PROMPT, "max_tokens": LONG, "stream": True})), daemon=True).start()
-    wait_for(lambda: server.health()["queue_depth"] == 2 and len(queued) == 2, "two queued requests")
+    queued = [send_request(server, "/v1/completions", {"prompt": PROMPT, "max_tokens": LONG, "stream": True})
+              for _ in range(2)]                   # --queue-size 2; no answer comes before they start
+    wait_for(lambda: server.health()["queue_depth"] == 2, "two queued requests")
     with pytest.raises(openai.RateLimitError) as e:
         client.completions.create(model="m", prompt=PROMPT, max_tokens=2)
     assert e.value.status_code == 429 and e.value.body["code"] == "rate_limit_exceeded"
-    for conn in [running] + [c for c, _ in queued]:
+    assert int(e.value.response.headers["retry-after"]) >= 1
+    for conn in [running] + queued:
         _hang_up(conn)
     wait_for(lambda: not server.health()["busy"] and server.health()["queue_depth"] == 0, "the queue to drain")
     assert client.completions.create(model="m", prompt=PROMPT, max_tokens=4).usage.completion_tokens == 4
@@ -272,3 +282,120 @@ def test_a_server_with_a_float16_cache(tmp_path):
         assert r.choices[0].text == want and r.model_extra["spel"]["kv_cache"] == "float16"
     finally:
         srv.stop()
+
+
+def test_include_usage(client):
+    """stream_options.include_usage as OpenAI: every chunk has usage null but the last,
+    which has no choices and the request's usage."""
+    chunks = list(client.completions.create(model="m", prompt=PROMPT, max_tokens=12, temperature=0, stream=True,
+                                            stream_options={"include_usage": True}))
+    *body, last = chunks
+    assert last.choices == [] and last.usage.completion_tokens == 12
+    assert last.usage.prompt_tokens > 0 and last.usage.total_tokens == last.usage.prompt_tokens + 12
+    assert all(c.usage is None for c in body) and body[-1].choices[0].finish_reason == "length"
+    chat = list(client.chat.completions.create(model="m", messages=[{"role": "user", "content": "Hi"}],
+                                               max_tokens=6, temperature=0, stream=True,
+                                               stream_options={"include_usage": True}))
+    assert chat[-1].choices == [] and chat[-1].usage.completion_tokens == 6
+    assert all(c.usage is None for c in chat[:-1])
+
+
+def _reference_logprobs(reference, prompt_ids, tokens):
+    """log_softmax of the target's rows over prompt + tokens in one pass (float64)."""
+    import numpy as np
+    model = reference[0].model
+    seq = prompt_ids + tokens
+    state = model.new_state("target", ring=len(seq))
+    state.reserve(len(seq))
+    rows = np.array(model.forward(seq[:-1], state), dtype=np.float64)[len(prompt_ids) - 1:]
+    rows -= rows.max(axis=1, keepdims=True)
+    return rows - np.log(np.exp(rows).sum(axis=1, keepdims=True))
+
+
+def test_completion_logprobs(client, reference):
+    """`logprobs: 3` at temperature 0: each token's log-probability is the best of its
+    row (greedy picks the argmax), its alternatives follow in order, and the values
+    are the target's (a pass of the whole text, within float32 rounding)."""
+    from spel_mlx import stream_generate
+    tokens = [t for r in stream_generate(*reference, PROMPT, max_tokens=16, temperature=0) for t in r.tokens]
+    r = client.completions.create(model="m", prompt=PROMPT, max_tokens=16, temperature=0, logprobs=3)
+    lp = r.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 16
+    assert "".join(lp.tokens) == r.choices[0].text
+    assert lp.text_offset == [sum(map(len, lp.tokens[:i])) for i in range(16)]
+    ref = _reference_logprobs(reference, reference[1].encode(PROMPT), tokens)
+    for i, (tok, top) in enumerate(zip(lp.token_logprobs, lp.top_logprobs)):
+        values = list(top.values())
+        assert len(top) == 3 and values == sorted(values, reverse=True)
+        assert list(top)[0] == lp.tokens[i] and values[0] == tok             # the argmax
+        assert tok == pytest.approx(ref[i, tokens[i]], abs=2e-3)
+    assert r.choices[0].text == client.completions.create(model="m", prompt=PROMPT, max_tokens=16,
+                                                          temperature=0).choices[0].text
+
+
+def test_chat_logprobs_streamed_and_whole(client):
+    """Chat `logprobs` + `top_logprobs`: one entry per token, streamed or whole, the same
+    tokens either way; sampling with them gives the text it gives without them."""
+    messages = [{"role": "user", "content": "Who is Mr. Darcy?"}]
+    kw = dict(model="m", messages=messages, max_tokens=12, temperature=0.9, seed=5)
+    plain = client.chat.completions.create(**kw).choices[0].message.content
+    whole = client.chat.completions.create(**kw, logprobs=True, top_logprobs=2)
+    assert whole.choices[0].message.content == plain
+    content = whole.choices[0].logprobs.content
+    assert len(content) == whole.usage.completion_tokens
+    assert all(len(c.top_logprobs) == 2 and c.logprob <= 0 and c.bytes == list(c.token.encode()) for c in content)
+    assert all(c.top_logprobs[0].logprob >= c.logprob for c in content)
+    chunks = list(client.chat.completions.create(**kw, logprobs=True, top_logprobs=2, stream=True))
+    streamed = [c for ch in chunks if ch.choices and ch.choices[0].logprobs for c in ch.choices[0].logprobs.content]
+    assert [(c.token, c.logprob) for c in streamed] == [(c.token, c.logprob) for c in content]
+    import openai
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model="m", messages=messages, max_tokens=2, top_logprobs=2)
+    assert e.value.body["param"] == "top_logprobs"
+
+
+def test_metrics(server, client):
+    """/metrics is Prometheus text; a completed and a refused request move its counters."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    def scrape():
+        req = urllib.request.Request(server.url + "/metrics", headers={"Authorization": f"Bearer {KEY}"})
+        with urllib.request.urlopen(req, timeout=10) as r:
+            assert r.headers["content-type"].startswith("text/plain")
+            return {(s.name, tuple(sorted(s.labels.items()))): s.value
+                    for f in text_string_to_metric_families(r.read().decode()) for s in f.samples}
+
+    before = scrape()
+    r = client.completions.create(model="m", prompt=PROMPT, max_tokens=10, temperature=0)
+    conn, resp = raw_request(server, "/v1/completions", {"prompt": PROMPT, "max_tokens": -1})
+    assert resp.status == 400
+    conn.close()
+    after = scrape()
+
+    def delta(name, **labels):
+        key = (name, tuple(sorted(labels.items())))
+        return after.get(key, 0) - before.get(key, 0)
+
+    ok = ("spel_http_requests_total", {"route": "/v1/completions", "status": "200"})
+    assert delta(ok[0], **ok[1]) == 1 and delta(ok[0], route="/v1/completions", status="400") == 1
+    assert delta("spel_generations_total", outcome="completed") == 1
+    assert delta("spel_generated_tokens_total") == 10
+    assert delta("spel_prompt_tokens_total") == r.usage.prompt_tokens
+    assert delta("spel_decode_tokens_per_second_count") == 1
+    assert after[("spel_queue_depth", ())] == 0 and 0 <= after[("spel_alpha", ())] <= 1
+    assert delta("spel_draft_accepted_tokens_total") == r.model_extra["spel"]["accepted"]
+    with pytest.raises(urllib.error.HTTPError) as e:
+        urllib.request.urlopen(server.url + "/metrics", timeout=10)
+    assert e.value.code == 401
+
+
+def test_openapi_docs(server):
+    with urllib.request.urlopen(server.url + "/openapi.json", timeout=10) as r:
+        spec = json.load(r)
+    body = spec["paths"]["/v1/completions"]["post"]["requestBody"]["content"]["application/json"]["schema"]
+    assert body == {"$ref": "#/components/schemas/CompletionRequest"}
+    schemas = spec["components"]["schemas"]
+    assert {"prompt", "max_tokens", "logprobs"} <= set(schemas["CompletionRequest"]["properties"])
+    assert "messages" in schemas["ChatRequest"]["properties"] and "Message" in schemas
+    with urllib.request.urlopen(server.url + "/docs", timeout=10) as r:
+        assert r.status == 200 and b"swagger" in r.read().lower()

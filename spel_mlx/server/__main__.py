@@ -21,6 +21,10 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--model-id", help="the model's name in responses (default: spel-mlx-<folder or file name>)")
     ap.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
     ap.add_argument("--port", type=int, default=8080)
+    ap.add_argument("--allowed-hosts", nargs="+", default=[], metavar="NAME",
+                    help="Host header names served beside loopback ones ('*': any; docs/server.md, \"Exposure\")")
+    ap.add_argument("--allowed-origins", nargs="+", default=[], metavar="ORIGIN",
+                    help="web origins allowed to call the API from a browser (CORS; default none)")
     ap.add_argument("--api-key", default=os.environ.get("SPEL_API_KEY") or None,
                     help="require 'Authorization: Bearer KEY' on /v1/* (default: SPEL_API_KEY, else none)")
     ap.add_argument("--queue-size", type=int, default=8,
@@ -46,14 +50,14 @@ def model_name(source: str) -> str:
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        import uvicorn
-
         from .app import create_app
+        from .serve import run
     except ImportError as e:
         print(f"error: the server needs FastAPI and uvicorn ({e}); install with pip install -e '.[server]'",
               file=sys.stderr)
         return 2
     from ..api import GenerationError, LoadError, NoCheckpoint, load, prepare
+    from .chat import ChatFormat, TemplateError
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
     if not 1 <= args.queue_size <= 4096:
@@ -73,11 +77,17 @@ def main(argv=None) -> int:
     except GenerationError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    try:
+        chat_format = ChatFormat.for_model(loaded.source, tokenizer)
+    except TemplateError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    bound = [] if args.host in ("0.0.0.0", "::", "") else [args.host]     # the address it is reached by
     app = create_app(loaded, tokenizer, model_id=args.model_id or model_name(loaded.source),
                      api_key=args.api_key, queue_size=args.queue_size, defaults=defaults,
-                     warmup=not args.no_warmup)
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=3)
-    return 0
+                     warmup=not args.no_warmup, allowed_hosts=bound + args.allowed_hosts,
+                     allowed_origins=args.allowed_origins, chat_format=chat_format)
+    return run(app, host=args.host, port=args.port, log_level=args.log_level)
 
 
 if __name__ == "__main__":

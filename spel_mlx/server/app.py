@@ -1,135 +1,70 @@
-"""The FastAPI application: OpenAI-compatible routes over one DecodeWorker, and the page."""
+"""The FastAPI application: OpenAI-compatible routes over one DecodeWorker, the page,
+/health, /metrics and the OpenAPI docs (/docs)."""
 from __future__ import annotations
 
 import asyncio
-import hmac
-import json
 import logging
+import os
 import time
 from contextlib import asynccontextmanager
 from pathlib import Path
 
 from fastapi import FastAPI, Request
+from fastapi.middleware.cors import CORSMiddleware
+from fastapi.openapi.utils import get_openapi
 from fastapi.responses import FileResponse, JSONResponse, Response
 from fastapi.staticfiles import StaticFiles
+from pydantic.json_schema import models_json_schema
 from starlette.exceptions import HTTPException
 
 from ..api import GenerationError, prepare
-from . import protocol
-from .worker import END, DecodeWorker, Job, QueueFull
+from . import protocol, schemas
+from .chat import ChatFormat
+from .guard import ClientGone, HostGuard, authorized, read_body, require_json, require_key
+from .metrics import CONTENT_TYPE, Metrics
+from .responses import answer
+from .worker import DecodeWorker, Job, QueueFull, ShuttingDown
 
 STATIC = Path(__file__).resolve().parent / "static"
-MAX_BODY = 1 << 20       # bytes; a max_seq prompt is a few dozen kB
+RETRY_AFTER_S = 1        # a 429's Retry-After: a queued request's wait is about one generation
 log = logging.getLogger("spel_mlx.server")
 
 
 def _error(e: protocol.ApiError) -> JSONResponse:
-    return JSONResponse(e.body(), status_code=e.status)
-
-
-async def _body(request: Request) -> bytes:
-    """The request body, refused past MAX_BODY before it is all read."""
-    too_big = protocol.ApiError(413, f"the body is larger than {MAX_BODY} bytes")
-    declared = request.headers.get("content-length", "")
-    if declared.isdigit() and int(declared) > MAX_BODY:
-        raise too_big
-    chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > MAX_BODY:
-            raise too_big
-        chunks.append(chunk)
-    return b"".join(chunks)
-
-
-class JobResponse(Response):
-    """The answer to an accepted request: server-sent events as rounds finish, or one
-    JSON body at the end.  A client that disconnects stops its job (after the current
-    round, or before it starts if it is still queued)."""
-
-    def __init__(self, job: Job, shaper: protocol.Shaper, stream: bool):
-        super().__init__()
-        self.job, self.shaper, self.stream = job, shaper, stream
-
-    async def __call__(self, scope, receive, send):
-        watcher = asyncio.ensure_future(self._watch(receive))
-        try:
-            await (self._events(send) if self.stream else self._whole(send))
-        except OSError:              # the client went away mid-send
-            self.job.stop()
-        finally:
-            watcher.cancel()
-
-    async def _watch(self, receive):
-        while (await receive())["type"] != "http.disconnect":
-            pass
-        self.job.stop("client disconnected")
-        self.job.events.put_nowait(END)
-
-    def _summary(self, r) -> dict:
-        return protocol.spel_summary(r.stats, self.job.queued_s)
-
-    async def _events(self, send):
-        await send({"type": "http.response.start", "status": 200,
-                    "headers": [(b"content-type", b"text/event-stream; charset=utf-8"),
-                                (b"cache-control", b"no-cache"), (b"x-accel-buffering", b"no")]})
-        sh = self.shaper
-        while (r := await self.job.events.get()) is not END:
-            if isinstance(r, Exception):
-                body = {"error": protocol.ApiError(500, f"decoding failed: {r}", type="server_error").body()["error"]}
-            elif r.finish_reason is None:
-                if not r.tokens and not r.text:
-                    continue
-                body = sh.chunk(r.text, {"round": r.round, "tokens": r.tokens, "from_draft": r.from_draft,
-                                         "token_text": r.token_text, "proposed": r.proposed,
-                                         "alpha": r.alpha, "tokens_per_round": r.tokens_per_round,
-                                         "tok_s": r.tok_s})
-            else:
-                body = sh.last_chunk(r.text, r.finish_reason,
-                                     protocol.usage(r.prompt_tokens, r.generation_tokens), self._summary(r))
-            await send({"type": "http.response.body", "body": f"data: {json.dumps(body)}\n\n".encode(),
-                        "more_body": True})
-        await send({"type": "http.response.body", "body": b"data: [DONE]\n\n", "more_body": False})
-
-    async def _whole(self, send):
-        parts, last, failure = [], None, None
-        while (r := await self.job.events.get()) is not END:
-            if isinstance(r, Exception):
-                failure = r
-            else:
-                parts.append(r.text)
-                last = r if r.finish_reason is not None else last
-        if failure is not None or last is None:
-            e = protocol.ApiError(500, f"decoding failed: {failure or 'cancelled'}", type="server_error")
-            status, body = e.status, e.body()
-        else:
-            status = 200
-            body = self.shaper.whole("".join(parts), last.finish_reason,
-                                     protocol.usage(last.prompt_tokens, last.generation_tokens),
-                                     self._summary(last))
-        await send({"type": "http.response.start", "status": status,
-                    "headers": [(b"content-type", b"application/json")]})
-        await send({"type": "http.response.body", "body": json.dumps(body).encode()})
+    return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
 
 
 def create_app(loaded, tokenizer, *, model_id: str, api_key: str | None = None, queue_size: int = 8,
-               defaults: dict | None = None, warmup: bool = True) -> FastAPI:
+               defaults: dict | None = None, warmup: bool = True, allowed_hosts=(), allowed_origins=(),
+               max_tokens_limit: int | None = None, chat_format: ChatFormat | None = None) -> FastAPI:
     """The application serving `loaded` (from spel_mlx.api.load).  `defaults` are the
-    generation options a request does not set (mode, draft, k, ...)."""
+    generation options a request does not set (mode, draft, k, ...); `allowed_hosts`:
+    Host names accepted beside loopback ("*": any); `allowed_origins`: CORS origins;
+    `max_tokens_limit`: the most tokens a request may ask (default max_seq);
+    `chat_format`: default, the model folder's chat template, else the plain format."""
     defaults = dict(defaults or {})
-    max_tokens_limit = loaded.cfg.max_seq
-    worker = DecodeWorker(loaded, capacity=queue_size)
+    limit = loaded.cfg.max_seq if max_tokens_limit is None else min(max_tokens_limit, loaded.cfg.max_seq)
+    chat_format = chat_format or ChatFormat.for_model(loaded.source, tokenizer)
     created = int(time.time())
+    worker = DecodeWorker(loaded, tokenizer, capacity=queue_size)
+    metrics = worker.metrics = Metrics(worker)
 
     @asynccontextmanager
     async def lifespan(app):
         warm = prepare(loaded, tokenizer, "It is", 8, **{**defaults, "temperature": 0}) if warmup else None
         worker.start(warm)
         yield
+        worker.begin_shutdown()
         await asyncio.get_running_loop().run_in_executor(None, worker.shutdown)
 
-    app = FastAPI(title="spel-mlx", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app = FastAPI(title="spel-mlx", summary="OpenAI-compatible server for a spel-mlx model", lifespan=lifespan,
+                  docs_url="/docs", redoc_url=None, openapi_url="/openapi.json")
     app.state.worker = worker
+    app.state.metrics = metrics
+    if allowed_origins:
+        app.add_middleware(CORSMiddleware, allow_origins=list(allowed_origins), allow_methods=["GET", "POST"],
+                           allow_headers=["authorization", "content-type"])
+    app.add_middleware(HostGuard, allowed_hosts=tuple(allowed_hosts), on_status=metrics.answered)
 
     @app.exception_handler(protocol.ApiError)
     async def api_error(request, e: protocol.ApiError):
@@ -139,60 +74,96 @@ def create_app(loaded, tokenizer, *, model_id: str, api_key: str | None = None, 
     async def http_error(request, e: HTTPException):
         return _error(protocol.ApiError(e.status_code, str(e.detail), type="invalid_request_error"))
 
+    @app.exception_handler(ClientGone)
+    async def client_gone(request, e):
+        log.info("%s: the client hung up before its body was sent", request.url.path)
+        return Response(status_code=400)         # nobody reads it
+
     @app.exception_handler(Exception)
     async def any_error(request, e: Exception):
         log.exception("unexpected error on %s", request.url.path)
-        return _error(protocol.ApiError(500, f"internal error: {type(e).__name__}: {e}", type="server_error"))
-
-    def authorize(request: Request):
-        if api_key is None:
-            return
-        given = request.headers.get("authorization", "")
-        if not hmac.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
-            raise protocol.ApiError(401, "missing or wrong API key (send 'Authorization: Bearer KEY')",
-                                    type="invalid_request_error", code="invalid_api_key")
+        return _error(protocol.ApiError(500, f"internal error: {type(e).__name__}", type="server_error"))
 
     async def serve(request: Request, chat: bool):
-        authorize(request)
-        body = protocol.parse_json(await _body(request))
-        req = (protocol.chat_request if chat else protocol.completion_request)(body, max_tokens_limit)
+        require_key(request, api_key)
+        require_json(request)
+        body = protocol.parse_json(await read_body(request))
+        if chat:
+            req = schemas.validate(schemas.ChatRequest, body, limit)
+            prompt = chat_format.prompt([(m.role, m.content) for m in req.messages])
+            options = req.options(req.max_completion_tokens if req.max_completion_tokens is not None
+                                  else req.max_tokens)
+            options["stop"] = options.get("stop", []) + chat_format.stop
+            top = req.top_logprobs_count()
+        else:
+            req = schemas.validate(schemas.CompletionRequest, body, limit)
+            prompt, options, top = req.prompt, req.options(req.max_tokens), req.top_logprobs()
+        options["max_tokens"] = min(options["max_tokens"], limit)
         try:
-            api_request = prepare(loaded, tokenizer, req["prompt"], **{**defaults, **req["options"]})
+            api_request = prepare(loaded, tokenizer, prompt, **{**defaults, **options})
         except GenerationError as e:
             param = "messages" if chat and e.param == "prompt" else e.param
             raise protocol.ApiError(400, str(e), param) from None
-        shaper = protocol.Shaper(chat, model_id)
-        job = Job(api_request, asyncio.get_running_loop(), shaper.id)
+        shaper = protocol.Shaper(chat, model_id, req.include_usage)
+        job = Job(api_request, asyncio.get_running_loop(), shaper.id, top)
         try:
             worker.submit(job)
         except QueueFull as e:
-            raise protocol.ApiError(429, f"the server is busy: {e}; retry later",
-                                    type="rate_limit_error", code="rate_limit_exceeded") from None
-        return JobResponse(job, shaper, req["stream"])
+            raise protocol.ApiError(429, f"the server is busy: {e}; retry later", type="rate_limit_error",
+                                    code="rate_limit_exceeded", headers={"retry-after": str(RETRY_AFTER_S)}) from None
+        except ShuttingDown:
+            raise protocol.shutting_down() from None
+        return await answer(request, job, shaper, req.stream)
 
-    @app.post("/v1/completions")
+    def body_schema(model) -> dict:
+        return {"requestBody": {"required": True, "content": {"application/json": {
+            "schema": {"$ref": f"#/components/schemas/{model.__name__}"}}}}}
+
+    @app.post("/v1/completions", openapi_extra=body_schema(schemas.CompletionRequest))
     async def completions(request: Request):
+        """A completion of `prompt` (OpenAI's legacy completions)."""
         return await serve(request, chat=False)
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", openapi_extra=body_schema(schemas.ChatRequest))
     async def chat_completions(request: Request):
+        """The assistant's reply to `messages`."""
         return await serve(request, chat=True)
 
     @app.get("/v1/models")
     async def models(request: Request):
-        authorize(request)
+        require_key(request, api_key)
         cfg = loaded.cfg
         return {"object": "list", "data": [{
             "id": model_id, "object": "model", "created": created, "owned_by": "spel-mlx",
-            "spel": {"max_seq": cfg.max_seq, "vocab": cfg.vocab, "spec_k": cfg.spec_k, "source": loaded.source}}]}
+            "spel": {"max_seq": cfg.max_seq, "vocab": cfg.vocab, "spec_k": cfg.spec_k,
+                     "source": os.path.basename(os.path.normpath(loaded.source)),
+                     "chat_template": chat_format.source is not None}}]}
 
     @app.get("/health")
-    async def health():
-        return {"status": "ok", "model": model_id, **worker.status()}
+    async def health(request: Request):
+        """Up or not, and the queue; with the key, the counts and the last requests."""
+        status = "shutting_down" if worker.stopping else "ok"
+        return {"status": status, "model": model_id, **worker.status(detail=authorized(request, api_key))}
 
-    @app.get("/")
+    @app.get("/metrics")
+    async def prometheus(request: Request):
+        """Prometheus' text format."""
+        require_key(request, api_key)
+        return Response(metrics.render(), media_type=CONTENT_TYPE)
+
+    @app.get("/", include_in_schema=False)
     async def page():
         return FileResponse(STATIC / "index.html")
 
+    def openapi():
+        if app.openapi_schema is None:
+            schema = get_openapi(title=app.title, version=app.version, summary=app.summary, routes=app.routes)
+            _, defs = models_json_schema([(m, "validation") for m in (schemas.CompletionRequest, schemas.ChatRequest)],
+                                         ref_template="#/components/schemas/{model}")
+            schema.setdefault("components", {}).setdefault("schemas", {}).update(defs["$defs"])
+            app.openapi_schema = schema
+        return app.openapi_schema
+
+    app.openapi = openapi
     app.mount("/static", StaticFiles(directory=STATIC), name="static")
     return app

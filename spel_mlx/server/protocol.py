@@ -1,183 +1,87 @@
-"""The OpenAI wire format: request bodies checked field by field (every error names
-its field), the chat template, and the response, chunk and error bodies."""
+"""The OpenAI wire format: errors, the JSON body, and the response, chunk and error
+bodies (the request fields are in schemas.py)."""
 from __future__ import annotations
 
 import json
-import math
+import re
 import time
 import uuid
 
-from ..api import DEFAULT_MAX_TOKENS, DEFAULT_TEMPERATURE, DEFAULT_TOP_P
-
-# Chat messages become a plain-text prompt (the shipped model is not instruction-tuned):
-# the system text, then one "Role: content" paragraph per message, then "Assistant:".
-# The reply ends where the model starts the user's next turn.
-CHAT_ROLES = {"system": None, "user": "User", "assistant": "Assistant"}
-CHAT_STOP = "\nUser:"
-MAX_STOPS = 4
-MAX_STOP_CHARS = 256
-MODES = ("spec", "ar", "governed")
-DRAFTS = ("c", "mlx", "ngram", "auto")
-# OpenAI fields accepted only at the value that means "off"
-NEUTRAL = {"n": (1,), "best_of": (1,), "echo": (False,), "logprobs": (None, False, 0), "top_logprobs": (None, 0),
-           "presence_penalty": (0, 0.0), "frequency_penalty": (0, 0.0), "logit_bias": (None, {}),
-           "suffix": (None, ""), "tools": (None, []), "tool_choice": (None, "none"),
-           "response_format": (None, {"type": "text"}), "parallel_tool_calls": (None, False)}
-IGNORED = ("model", "user", "metadata", "store", "stream_options", "service_tier")
+MAX_INT_DIGITS = 64       # longer integer literals are kept as a HugeNumber: no field takes one
 
 
 class ApiError(Exception):
     """An error answered as OpenAI does: ``{"error": {message, type, param, code}}``."""
 
     def __init__(self, status: int, message: str, param: str | None = None,
-                 type: str = "invalid_request_error", code: str | None = None):
+                 type: str = "invalid_request_error", code: str | None = None, headers: dict | None = None):
         super().__init__(message)
         self.status, self.message, self.param, self.type, self.code = status, message, param, type, code
+        self.headers = headers or {}
 
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
 
-def bad(param: str, message: str) -> ApiError:
-    return ApiError(400, f"{param}: {message}", param)
+def shutting_down() -> ApiError:
+    return ApiError(503, "the server is shutting down", type="server_error", code="server_shutting_down")
+
+
+class HugeNumber:
+    """An integer literal too long for any field; kept so the error can name its field
+    (Python refuses to convert more than 4,300 digits, and no field needs 64)."""
+
+    def __init__(self, literal: str):
+        self.digits = len(literal.lstrip("-"))
+
+    def __repr__(self):
+        return f"<an integer of {self.digits} digits>"
+
+
+def _int(literal: str):
+    return int(literal) if len(literal) <= MAX_INT_DIGITS else HugeNumber(literal)
+
+
+_DECODER = json.JSONDecoder(parse_int=_int)
+_SPACE = re.compile(r"[ \t\n\r]*")
+
+
+def _too_deep(text: str) -> str | None:
+    """The top-level field whose value nests too deeply to parse (None: not found)."""
+    at = _SPACE.match(text, 0).end()
+    if text[at:at + 1] != "{":
+        return None
+    at += 1
+    while True:
+        at = _SPACE.match(text, at).end()
+        try:
+            key, at = _DECODER.raw_decode(text, at)
+            at = _SPACE.match(text, at).end() + 1        # the colon
+            _, at = _DECODER.raw_decode(text, _SPACE.match(text, at).end())
+        except RecursionError:
+            return key if isinstance(key, str) else None
+        except ValueError:
+            return None
+        at = _SPACE.match(text, at).end() + 1            # the comma
 
 
 def parse_json(raw: bytes) -> dict:
+    """The body as a JSON object; a 400 naming the problem (and the field, where one
+    nests too deeply to parse) otherwise."""
     try:
-        body = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ApiError(400, f"the body is not valid JSON: {e}", None) from None
+        text = raw.decode("utf-8")
+        body = _DECODER.decode(text)
+    except UnicodeDecodeError as e:
+        raise ApiError(400, f"the body is not UTF-8: {e}") from None
+    except RecursionError:
+        field = _too_deep(text)
+        where = f"{field}: " if field else ""
+        raise ApiError(400, f"{where}nested too deeply to parse", field) from None
+    except ValueError as e:       # json.JSONDecodeError is one
+        raise ApiError(400, f"the body is not valid JSON: {e}") from None
     if not isinstance(body, dict):
-        raise ApiError(400, "the body must be a JSON object", None)
+        raise ApiError(400, "the body must be a JSON object")
     return body
-
-
-def _number(body, name, default, lo, hi, lo_open=False):
-    v = body.get(name)
-    if v is None:
-        return default
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
-        raise bad(name, f"must be a number, got {json.dumps(v)}")
-    if v < lo or v > hi or (lo_open and v == lo):
-        raise bad(name, f"{v} is outside {'(' if lo_open else '['}{lo}, {hi}]")
-    return float(v)
-
-
-def _integer(body, name, default, lo, hi):
-    v = body.get(name)
-    if v is None:
-        return default
-    if isinstance(v, bool) or not isinstance(v, int):
-        raise bad(name, f"must be an integer, got {json.dumps(v)}")
-    if not lo <= v <= hi:
-        raise bad(name, f"{v} is outside [{lo}, {hi}]")
-    return v
-
-
-def _choice(body, name, default, allowed):
-    v = body.get(name, default)
-    if v is None:
-        return default
-    if v not in allowed:
-        raise bad(name, f"{json.dumps(v)}: expected one of {', '.join(allowed)}")
-    return v
-
-
-def _stops(body, extra=()):
-    v = body.get("stop")
-    stops = [] if v is None else [v] if isinstance(v, str) else v
-    if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops):
-        raise bad("stop", "a string or a list of non-empty strings")
-    if len(stops) > MAX_STOPS or any(len(s) > MAX_STOP_CHARS for s in stops):
-        raise bad("stop", f"at most {MAX_STOPS} strings of at most {MAX_STOP_CHARS} characters")
-    return stops + list(extra)
-
-
-def options(body: dict, known: tuple, max_tokens_limit: int) -> dict:
-    """The generation options of a request body (fields shared by both endpoints)."""
-    for name in body:
-        if name in NEUTRAL:
-            if body[name] not in NEUTRAL[name]:
-                raise bad(name, f"{json.dumps(body[name])} is not supported here")
-        elif name not in known and name not in IGNORED:
-            raise bad(name, "unrecognized field")
-    model = body.get("model")
-    if model is not None and not isinstance(model, str):
-        raise bad("model", "must be a string")
-    stream = body.get("stream", False)
-    if not isinstance(stream, bool):
-        raise bad("stream", "must be true or false")
-    so = body.get("stream_options")
-    if so is not None and not (isinstance(so, dict) and isinstance(so.get("include_usage", False), bool)):
-        raise bad("stream_options", "must be an object like {\"include_usage\": true}")
-    max_tokens = _integer(body, "max_tokens", None, 0, max_tokens_limit)
-    if "max_completion_tokens" in known:
-        max_tokens = _integer(body, "max_completion_tokens", max_tokens, 0, max_tokens_limit)
-    temperature = _number(body, "temperature", DEFAULT_TEMPERATURE, 0.0, 2.0)
-    penalty = _number(body, "repetition_penalty", None, 0.0, 10.0, lo_open=True)
-    seed = body.get("seed")
-    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**63):
-        raise bad("seed", f"must be an integer in [0, 2^63), got {json.dumps(seed)}")
-    opts = {
-        "max_tokens": DEFAULT_MAX_TOKENS if max_tokens is None else max_tokens,
-        "temperature": temperature,
-        "top_p": _number(body, "top_p", DEFAULT_TOP_P, 0.0, 1.0, lo_open=True),
-        "top_k": _integer(body, "top_k", 0, 0, 1 << 30),
-        "repetition_penalty": penalty,
-        "seed": seed,
-        "mode": _choice(body, "mode", None, MODES),
-        "draft": _choice(body, "draft", None, DRAFTS),
-        "k": _integer(body, "k", None, 1, 16),
-    }
-    return {"stream": stream, "options": {k: v for k, v in opts.items() if v is not None}}
-
-
-COMPLETION_FIELDS = ("prompt", "max_tokens", "temperature", "top_p", "top_k", "repetition_penalty",
-                     "seed", "stop", "stream", "mode", "draft", "k")
-CHAT_FIELDS = COMPLETION_FIELDS[1:] + ("messages", "max_completion_tokens")
-
-
-def completion_request(body: dict, max_tokens_limit: int) -> dict:
-    req = options(body, COMPLETION_FIELDS, max_tokens_limit)
-    prompt = body.get("prompt")
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-        prompt = prompt[0]          # a batch of one
-    if isinstance(prompt, list):
-        if not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-            raise bad("prompt", "a string, a list of token ids, or a list of one of them (one prompt per request)")
-    elif not isinstance(prompt, str):
-        raise bad("prompt", "required: a string or a list of token ids")
-    req["prompt"] = prompt
-    req["options"]["stop"] = _stops(body)
-    return req
-
-
-def chat_prompt(messages) -> str:
-    """The plain-text prompt for a list of chat messages (see CHAT_ROLES)."""
-    if not isinstance(messages, list) or not messages:
-        raise bad("messages", "required: a non-empty list of {role, content} objects")
-    parts = []
-    for i, m in enumerate(messages):
-        if not isinstance(m, dict) or m.get("role") not in CHAT_ROLES:
-            raise bad(f"messages[{i}]", f"needs a role, one of {', '.join(CHAT_ROLES)}")
-        content = m.get("content")
-        if isinstance(content, list):   # content parts: text only
-            if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
-                       for p in content):
-                raise bad(f"messages[{i}].content", "only text parts are supported")
-            content = "".join(p["text"] for p in content)
-        if not isinstance(content, str):
-            raise bad(f"messages[{i}].content", "must be a string or a list of text parts")
-        label = CHAT_ROLES[m["role"]]
-        parts.append(content.strip() if label is None else f"{label}: {content.strip()}")
-    return "\n\n".join(parts) + "\n\nAssistant:"
-
-
-def chat_request(body: dict, max_tokens_limit: int) -> dict:
-    req = options(body, CHAT_FIELDS, max_tokens_limit)
-    req["prompt"] = chat_prompt(body.get("messages"))
-    req["options"]["stop"] = _stops(body, extra=(CHAT_STOP,))
-    return req
 
 
 # --- responses -------------------------------------------------------------
@@ -195,6 +99,12 @@ def spel_summary(stats: dict, queued_s: float) -> dict:
             "queued_s": round(queued_s, 4)}
 
 
+def spel_round(r) -> dict:
+    """A streamed round's `spel`: its tokens, where each came from, the running statistics."""
+    return {"round": r.round, "tokens": r.tokens, "from_draft": r.from_draft, "token_text": r.token_text,
+            "proposed": r.proposed, "alpha": r.alpha, "tokens_per_round": r.tokens_per_round, "tok_s": r.tok_s}
+
+
 def usage(prompt_tokens: int, completion_tokens: int) -> dict:
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
             "total_tokens": prompt_tokens + completion_tokens}
@@ -204,38 +114,65 @@ def finish_reason(reason: str) -> str:
     return "length" if reason == "length" else "stop"
 
 
-class Shaper:
-    """Bodies of one response: the whole one, and the streamed chunks."""
+def sse(body) -> str:
+    return f"data: {json.dumps(body) if not isinstance(body, str) else body}\n\n"
 
-    def __init__(self, chat: bool, model_id: str):
-        self.chat, self.model = chat, model_id
+
+class Shaper:
+    """Bodies of one response: the whole one, and the streamed chunks.  `logprobs`
+    arguments are lists of logprobs.TokenLogprob (None when the request asked none)."""
+
+    def __init__(self, chat: bool, model_id: str, include_usage: bool = False):
+        self.chat, self.model, self.include_usage = chat, model_id, include_usage
         self.id, self.created = new_id(chat), int(time.time())
         self.object = "chat.completion" if chat else "text_completion"
+        self.chunk_object = "chat.completion.chunk" if chat else "text_completion"
         self.started = False
+        self.offset = 0           # completions' text_offset of the next token
 
-    def _choice(self, text, finish, delta: bool):
+    def _logprobs(self, lps):
+        if lps is None:
+            return None
+        if self.chat:
+            return {"content": [lp.chat() for lp in lps], "refusal": None}
+        out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+        for lp in lps:
+            out["tokens"].append(lp.text)
+            out["token_logprobs"].append(lp.logprob)
+            out["top_logprobs"].append({t.text: t.logprob for t in lp.top})
+            out["text_offset"].append(self.offset)
+            self.offset += len(lp.text)
+        return out
+
+    def _choice(self, text, finish, delta: bool, lps):
         if not self.chat:
-            return {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
+            return {"index": 0, "text": text, "logprobs": self._logprobs(lps), "finish_reason": finish}
         if not delta:
-            return {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish}
+            return {"index": 0, "message": {"role": "assistant", "content": text},
+                    "logprobs": self._logprobs(lps), "finish_reason": finish}
         d = {"content": text} if text or finish is None else {}
         if not self.started:
             d["role"] = "assistant"
             self.started = True
-        return {"index": 0, "delta": d, "logprobs": None, "finish_reason": finish}
+        return {"index": 0, "delta": d, "logprobs": self._logprobs(lps), "finish_reason": finish}
 
     def _head(self, obj):
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
 
-    def whole(self, text, reason, usage_, spel) -> dict:
-        return {**self._head(self.object), "choices": [self._choice(text, finish_reason(reason), False)],
+    def whole(self, text, reason, usage_, spel, lps=None) -> dict:
+        return {**self._head(self.object), "choices": [self._choice(text, finish_reason(reason), False, lps)],
                 "usage": usage_, "spel": spel}
 
-    def chunk(self, text, spel) -> dict:
-        obj = "chat.completion.chunk" if self.chat else "text_completion"
-        return {**self._head(obj), "choices": [self._choice(text, None, True)], "spel": spel}
+    def chunk(self, text, spel, lps=None, reason=None) -> dict:
+        """A streamed chunk (`reason`: the last one, with the finish reason).  With
+        include_usage every chunk has "usage": null, as OpenAI sends them."""
+        body = {**self._head(self.chunk_object),
+                "choices": [self._choice(text, None if reason is None else finish_reason(reason), True, lps or None)],
+                "spel": spel}
+        if self.include_usage:
+            body["usage"] = None
+        return body
 
-    def last_chunk(self, text, reason, usage_, spel) -> dict:
-        obj = "chat.completion.chunk" if self.chat else "text_completion"
-        return {**self._head(obj), "choices": [self._choice(text, finish_reason(reason), True)],
-                "usage": usage_, "spel": spel}
+    def usage_chunk(self, usage_) -> dict:
+        """include_usage's closing chunk: no choices, the request's usage."""
+        return {**self._head(self.chunk_object), "choices": [], "usage": usage_}
