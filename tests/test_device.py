@@ -217,6 +217,7 @@ def test_plain_mlx_passes_with_the_gpu_inverse_agree(monkeypatch):
     """A CUDA GPU runs the plain MLX ops, whose chunked delta rule there inverts by block
     doubling: the decoding pass (M=5) and the training forward (64-token chunks) with
     that inverse agree with MLX's triangular inverse."""
+    monkeypatch.setenv("SPEL_TRAIN_FUSED", "0")    # the GPU's training forward: plain MLX ops
     cfg = resolve_config(overrides="d_model=64,n_layers=4,n_heads=2,head_dim=32,d_ff=128,vocab=96,max_seq=160,"
                                    "attn_period=2,draft_map=0:1", use_env=False)
     model = SpelModel.from_weights(cfg, init_weights(cfg, seed=4))
