@@ -1,6 +1,6 @@
 """User-facing self-check: the original's eight invariant suites.
 
-    python -m spel_mlx.selftest [--preset 21m] [--config k=v,...] [--seed N]
+    python -m spel_mlx selftest [--preset 21m] [--config k=v,...] [--seed N] [--only 3,6]
 
 Runs on random weights of the given shape (21m by default), strict path unless a
 suite says otherwise, and prints one line per suite, then ``PASS (0 failures)``
@@ -18,7 +18,6 @@ built reports SKIP with the reason and does not count as a failure.
 """
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 import tempfile
@@ -339,7 +338,7 @@ def run(cfg, seed: int = 0, out=None, only=None) -> int:
     return failures
 
 
-def _parse_only(text: str) -> set:
+def parse_only(text: str) -> set:
     """Suite numbers from --only; an unknown number would silently run nothing and PASS."""
     n = len(SUITES)
     only = set()
@@ -351,27 +350,6 @@ def _parse_only(text: str) -> set:
     return only
 
 
-def main(argv=None) -> int:
-    from .config import ConfigError, resolve_config
-    ap = argparse.ArgumentParser(prog="python -m spel_mlx.selftest",
-                                 description="The eight invariant suites of the original, on random weights.")
-    ap.add_argument("--preset", default="21m")
-    ap.add_argument("--config", default=None, help="overrides k=v,... (e.g. a smaller shape)")
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--only", default=None, help="comma-separated suite numbers, e.g. 3,6")
-    args = ap.parse_args(argv)
-    try:
-        cfg = resolve_config(args.preset, args.config)
-        only = _parse_only(args.only) if args.only is not None else None
-    except (ConfigError, ValueError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    try:
-        return 1 if run(cfg, args.seed, only=only) else 0
-    except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
-        return 130
-
-
-if __name__ == "__main__":
+if __name__ == "__main__":       # python -m spel_mlx.selftest: the selftest command
+    from .cli.selftest import main
     sys.exit(main())

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 import spel_mlx  # noqa: F401  (the BLAS first)
-from spel_mlx import convert, verify_weights
+from spel_mlx.cli import convert, verify_weights
 from spel_mlx.checkpoints import CheckpointError, NonFiniteWeightsWarning, load_checkpoint, read_spelw, write_spelw
 from spel_mlx.checkpoints.files import AtomicFile
 from spel_mlx.checkpoints.rules import config_from_fields

@@ -268,7 +268,7 @@ def test_init_weights_deterministic_and_complete():
 
 
 def test_info_cli(capsys):
-    from spel_mlx import info
+    from spel_mlx.cli import info
     assert info.main(["--preset", "21m"]) == 0
     out = capsys.readouterr().out
     assert "params target:  21,352,044" in out and "params draft:   7,084,452" in out

@@ -7,7 +7,7 @@ import pytest
 
 import spel_mlx  # noqa: F401  (BLAS before mlx)
 from spel_mlx import notebank as nb
-from spel_mlx.notebank.cli import main
+from spel_mlx.cli.notebank import main
 from spel_mlx.config import PRESETS, ModelConfig
 
 

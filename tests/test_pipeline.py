@@ -224,8 +224,7 @@ def test_three_ranks_of_the_shipped_model_decode_as_one_process(tmp_path):
 
 def test_the_cli_under_mlx_launch(tiny):
     needs_c_draft()
-    import importlib
-    gen = importlib.import_module("spel_mlx.generate")
+    from spel_mlx.cli import generate as gen
     argv = ["--checkpoint", str(tiny), "--prompt", PROMPT, "--max-tokens", "30", "--temperature", "0"]
     out, err = io.StringIO(), io.StringIO()
     assert gen.run(argv + ["--mode", "ar"], stdout=out, stderr=err) == 0, err.getvalue()
