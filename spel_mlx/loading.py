@@ -28,7 +28,8 @@ def find_tokenizer_path(tokenizer, ckpt_path: str, vocab: int):
 def checkpoint_path(checkpoint=None) -> str:
     """`checkpoint`, else SPEL_WEIGHTS, else the installed default (NoCheckpoint when none)."""
     from .checkpoints import CheckpointError, default_checkpoint_dir
-    path = checkpoint or os.environ.get("SPEL_WEIGHTS", "").strip() or None
+    from .settings import setting
+    path = checkpoint or setting("SPEL_WEIGHTS")
     if path is None:
         try:
             path = str(default_checkpoint_dir())

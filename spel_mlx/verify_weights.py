@@ -12,15 +12,14 @@ stderr naming the file, the field or tensor and the byte offset), 3 internal err
 """
 from __future__ import annotations
 
-import os
 import sys
 
 import numpy as np
 
 from .config import ConfigError, resolve_config
 from .checkpoints import CheckpointError
+from .settings import SettingError, setting
 
-DEFAULT_TOL = 1e-3
 
 
 def _mb(n_params: int) -> str:
@@ -36,16 +35,10 @@ def compare(ref: np.ndarray, got: np.ndarray) -> tuple:
 
 
 def tolerance(environ=None) -> float:
-    raw = (os.environ if environ is None else environ).get("SPEL_VERIFY_TOL", "").strip()
-    if not raw:
-        return DEFAULT_TOL
     try:
-        tol = float(raw)
-    except ValueError:
-        raise ConfigError(f"SPEL_VERIFY_TOL={raw!r}: not a number") from None
-    if not tol > 0:
-        raise ConfigError(f"SPEL_VERIFY_TOL={raw!r}: must be positive")
-    return tol
+        return setting("SPEL_VERIFY_TOL", environ)
+    except SettingError as e:
+        raise ConfigError(str(e)) from None
 
 
 def verify(path, config: str | None = None, draft: str = "auto", out=None, target_backend: str = "mlx") -> bool:

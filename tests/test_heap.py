@@ -67,7 +67,11 @@ def test_state_in_this_process():
 
 
 def test_a_bad_switch_is_an_error_naming_it():
+    """Read at import: the API's first use raises it, a command says it in one line."""
     env = dict(os.environ, SPEL_HEAP_TUNING="maybe")
-    out = subprocess.run([sys.executable, "-c", "import spel_mlx"], env=env, capture_output=True, text=True,
+    out = subprocess.run([sys.executable, "-c", "import spel_mlx; spel_mlx.load"], env=env, capture_output=True,
+                         text=True, timeout=60)
+    assert out.returncode != 0 and "SettingError: SPEL_HEAP_TUNING='maybe': expected 0 or 1" in out.stderr
+    out = subprocess.run([sys.executable, "-m", "spel_mlx", "info"], env=env, capture_output=True, text=True,
                          timeout=60)
-    assert out.returncode != 0 and "SPEL_HEAP_TUNING='maybe': expected 0 or 1" in out.stderr
+    assert out.returncode == 2 and out.stderr == "error: SPEL_HEAP_TUNING='maybe': expected 0 or 1\n"

@@ -25,6 +25,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ...settings import setting
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 HEADER = os.path.join(HERE, "metal_emu.h")
 MAX_CONSTANT_ARRAY_SIZE = 8  # MLX: smaller inputs go to the constant address space
@@ -77,7 +79,7 @@ def compiler() -> str | None:
 
 
 def cache_dir() -> str:
-    d = os.environ.get("SPEL_METAL_EMU_CACHE")
+    d = setting("SPEL_METAL_EMU_CACHE")
     if not d:
         base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
         d = os.path.join(base, "spel_mlx", "metal_emu")
@@ -231,10 +233,10 @@ class EmuLibrary:
 
     @staticmethod
     def flags() -> list:
-        opt = os.environ.get("SPEL_METAL_EMU_OPT", "-O1")
+        opt = setting("SPEL_METAL_EMU_OPT")
         flags = ["-std=c++17", opt, "-fPIC", "-shared", "-pthread", "-Wno-attributes",
                  "-fno-strict-aliasing", "-ffp-contract=off", "-fno-fast-math"]
-        if os.environ.get("SPEL_METAL_EMU_ASAN") == "1":
+        if setting("SPEL_METAL_EMU_ASAN"):
             flags += ["-fsanitize=address", "-fno-omit-frame-pointer"]
         return flags
 

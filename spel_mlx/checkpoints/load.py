@@ -15,6 +15,7 @@ import numpy as np
 
 from ..config import ModelConfig
 from ..layout import tensor_specs
+from ..settings import setting
 from .files import PageDroppingWeights
 from .footer import Golden
 from .rules import CheckpointError, NonFiniteWeightsWarning, check_memory
@@ -72,7 +73,7 @@ def resolve_checkpoint_path(path=None) -> str:
     """``path``, else $SPEL_WEIGHTS, else the shipped default folder."""
     if path:
         return os.fspath(path)
-    env = os.environ.get("SPEL_WEIGHTS", "").strip()
+    env = setting("SPEL_WEIGHTS")
     if env:
         return env
     return str(default_checkpoint_dir())

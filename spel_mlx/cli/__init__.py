@@ -10,6 +10,20 @@ from __future__ import annotations
 import importlib
 import sys
 
+from ..settings import SettingError, check
+
+
+def _settings_first():
+    """A bad SPEL_* value is one line and exit 2 before a command module is imported
+    (some modules read theirs at import); its parser checks again for in-process calls."""
+    try:
+        check()
+    except SettingError as e:
+        print(f"error: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
+
+
+_settings_first()
 # command -> (module in this package, what it does)
 COMMANDS = {
     "generate": ("generate", "generate text with speculative decoding"),

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 
+from ..settings import SettingError, check as check_settings
 from .errors import UsageError
 
 CHECKPOINT_HELP = "SPELW001 file or safetensors model folder (default SPEL_WEIGHTS, else the shipped model)"
@@ -18,6 +19,14 @@ BENCHMARK_MODES = ("forced", "oracle")      # modes for measurements, not for te
 class Parser(argparse.ArgumentParser):
     def error(self, message):  # one line, no usage dump
         raise UsageError(message)
+
+    def parse_known_args(self, args=None, namespace=None):
+        # a bad SPEL_* value stops every command before any work, as a bad flag does
+        try:
+            check_settings()
+        except SettingError as e:
+            raise UsageError(str(e)) from None
+        return super().parse_known_args(args, namespace)
 
 
 def parser(name: str, description: str = "", **kw) -> Parser:

@@ -2,8 +2,9 @@
 traceback; an unexpected exception is one line too (SPEL_DEBUG=1 re-raises it)."""
 from __future__ import annotations
 
-import os
 import sys
+
+from ..settings import setting
 
 
 class UsageError(ValueError):
@@ -15,7 +16,7 @@ def internal_error(prog: str, exc: BaseException, note: str = "") -> int:
 
     SPEL_DEBUG=1 re-raises it instead, with its traceback, for bug reports.
     """
-    if os.environ.get("SPEL_DEBUG") == "1":
+    if setting("SPEL_DEBUG"):
         raise exc
     text = str(exc)
     first = text.splitlines()[0] if text else ""

@@ -15,6 +15,7 @@ import sys
 import spel_mlx
 from .. import heap, huge_pages, layout
 from ..config import ConfigError, resolve_config
+from ..settings import effective
 from . import args as shared
 from .errors import UsageError
 
@@ -67,7 +68,9 @@ def report(cfg, checkpoint: str | None = None) -> list:
         f"params mixer:   GDN {cfg.mixer_params('gdn'):,} per layer, attention "
         f"{cfg.mixer_params('attn'):,} per layer",
         f"SPELW001 size:  {_mib(64 + layout.weights_nbytes(cfg))} without footer",
+        "settings:       (spel_mlx/settings.py; README.md, \"Settings\")",
     ]
+    lines += [f"  {name:<22} {value}{'' if how == 'set' else '  (default)'}" for name, value, how in effective()]
     return lines
 
 

@@ -11,6 +11,7 @@ import logging
 import os
 import sys
 
+from ..settings import setting
 from . import args as shared
 from .errors import UsageError
 
@@ -22,7 +23,7 @@ def build_parser() -> shared.Parser:
     ap.add_argument("--model-id", help="the model's name in responses (default: spel-mlx-<folder or file name>)")
     ap.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
     shared.port(ap, 8080)
-    ap.add_argument("--api-key", default=os.environ.get("SPEL_API_KEY") or None,
+    ap.add_argument("--api-key", default=setting("SPEL_API_KEY") or None,
                     help="require 'Authorization: Bearer KEY' on /v1/* (default: SPEL_API_KEY, else none)")
     ap.add_argument("--queue-size", type=shared.ranged(1, 4096), default=8,
                     help="requests that may wait behind the running one; more get 429 (default 8)")

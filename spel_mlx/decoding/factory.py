@@ -8,17 +8,14 @@ from .loop import DecodeError
 from .mlx_proposer import MLXProposer
 from .ngram import NgramProposer
 from .proposer import Proposer
+from ..settings import setting
 
 PROPOSER_KINDS = ("c", "mlx", "ngram", "auto", "target")
 
 
 def default_draft_threads() -> int:
     """C draft threads when none are given (SPEL_DRAFT_THREADS, else 1)."""
-    from ..native.cdraft import threads_from_env
-    try:
-        return threads_from_env(None)
-    except ValueError:
-        return 1
+    return setting("SPEL_DRAFT_THREADS") or 1
 
 
 def make_proposer(kind: str, model, weights=None, k: int = 4, threads: int | None = None,

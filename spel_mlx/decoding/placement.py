@@ -35,6 +35,7 @@ import numpy as np
 from ..config import ModelConfig
 from ..model.backends import device_scope, gpu_available, mx_device
 from ..native.cdraft import MAX_THREADS, CDraft
+from ..settings import setting
 from .factory import make_proposer
 
 
@@ -157,9 +158,9 @@ def calibrate_placement(model, weights: dict | None = None, k: int | None = None
     if threads is None:
         cores = os.cpu_count() or 1
         want = {1, 2}
-        env = os.environ.get("SPEL_DRAFT_THREADS", "").strip()
-        if env.isdigit():
-            want.add(int(env))
+        env = setting("SPEL_DRAFT_THREADS")
+        if env is not None:
+            want.add(env)
         threads = sorted(t for t in want if 1 <= t <= min(cores, MAX_THREADS)) or [1]
     else:
         threads = [int(t) for t in threads]
