@@ -36,7 +36,7 @@ from dataclasses import replace
 
 import spel_mlx  # noqa: F401  (BLAS before mlx.core)
 from spel_mlx import decoding as sp
-from spel_mlx.checkpoints import load_checkpoint
+from spel_mlx.reader import load_checkpoint
 from spel_mlx.model import SpelModel
 from spel_mlx.tokenizer import load_tokenizer
 

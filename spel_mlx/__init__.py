@@ -1,12 +1,12 @@
 """spel-mlx: low-bit speculative decoding and episodic memory for a hybrid
 Gated-DeltaNet + attention language model, on MLX."""
-from ._blas import blas_info, ensure_blas, set_blas_threads
-from .heap import tune as _tune_heap
+from .platform.blas import blas_info, ensure_blas, set_blas_threads
+from .platform.heap import tune as _tune_heap
 from .settings import SettingError
 
 try:
     ensure_blas()  # must run before anything imports mlx.core
-    _tune_heap()   # before MLX allocates its first buffers (spel_mlx/heap.py)
+    _tune_heap()   # before MLX allocates its first buffers (spel_mlx/platform/heap.py)
     _bad_setting = None
 except SettingError as e:   # a bad SPEL_* value: raised by the API's first use, a command's one-line error
     _bad_setting = e

@@ -55,7 +55,7 @@ def load_for_decoding(checkpoint=None, config=None, spec_k=None, tokenizer=None,
     the installed default; `config`: overrides "k=v,..." that must agree with it;
     `device`: where the target will run, "cpu" | "gpu" (None: the current default
     device), which decides its ops (spel_mlx.model.backends)."""
-    from .checkpoints import load_checkpoint
+    from .reader import load_checkpoint
 
     path = checkpoint_path(checkpoint)
     with reading_checkpoint(path):

@@ -246,7 +246,7 @@ def suite_forced(ctx):
 def suite_roundtrip(ctx):
     import mlx.core as mx
     try:
-        from .checkpoints import load_checkpoint
+        from .reader import load_checkpoint
         from .converters.spelw_safetensors import safetensors_to_spelw, spelw_to_safetensors
         from .checkpoints import write_spelw
     except ImportError as e:

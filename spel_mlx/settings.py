@@ -29,7 +29,7 @@ class Setting:
     choices: tuple = ()
     low: float | None = None    # int, float: the smallest value allowed
     high: float | None = None   # int: the largest
-    scope: str = "run"          # run | build (setup.py) | tests | bench (bench/device_check.sh)
+    scope: str = "run"          # run | build (setup.py) | test suite | bench (bench/device_check.sh)
 
     def parse(self, raw: str):
         text = raw.strip()
@@ -116,10 +116,10 @@ _DECLARED = (
     Setting("SPEL_METAL_EMU_ASAN", "switch", False, "build the Metal emulation with AddressSanitizer"),
     Setting("SPEL_REQUIRE_CPU_EXT", "switch", False, "the fused CPU primitives must build and load "
             "(else the build fails; the tests fail instead of skipping)", scope="build"),
-    Setting("SPEL_REQUIRE_CROSS", "switch", False, "the cross-compiled NEON tests must run, not skip", scope="tests"),
+    Setting("SPEL_REQUIRE_CROSS", "switch", False, "the cross-compiled NEON tests must run, not skip", scope="test suite"),
     Setting("SPEL_REQUIRE_SERVER", "switch", False, "the server, load and browser tests must run, not skip",
-            scope="tests"),
-    Setting("SPEL_SCREENSHOT", "path", None, "the page test also saves its screenshot here", scope="tests"),
+            scope="test suite"),
+    Setting("SPEL_SCREENSHOT", "path", None, "the page test also saves its screenshot here", scope="test suite"),
     Setting("SPEL_DC_BUDGET_S", "float", None, "the GPU check's time budget in seconds", low=0, scope="bench"),
     Setting("SPEL_DC_PYTHON", "path", None, "the GPU check's python (default python3)", scope="bench"),
     Setting("SPEL_DC_CARRIED", "path", None, "where the GPU check finds its carried wheels (default .whl)",

@@ -42,7 +42,7 @@ def tolerance(environ=None) -> float:
 
 
 def verify(path, config: str | None = None, draft: str = "auto", out=None, target_backend: str = "mlx") -> bool:
-    from .checkpoints import load_checkpoint
+    from .reader import load_checkpoint
     from .golden import compute_draft, compute_target, golden_backends
 
     out = sys.stdout if out is None else out

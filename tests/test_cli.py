@@ -71,7 +71,7 @@ def test_server_port_out_of_range_is_one_line(capsys):
 def test_shared_flags_and_aliases():
     from spel_mlx.cli import generate, server
     from spel_mlx.decoding import MODES, PROPOSER_KINDS
-    from spel_mlx.state import KV_DTYPES
+    from spel_mlx.model.state import KV_DTYPES
     a = generate.build_parser().parse_args(["--checkpoint", "m", "--temp", "0", "--num-draft-tokens", "7"])
     b = generate.build_parser().parse_args(["--model", "m", "--temperature", "0", "--spec-k", "7"])
     assert vars(a) == vars(b) and a.model == "m" and a.spec_k == 7 and a.temperature == 0.0

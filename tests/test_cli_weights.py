@@ -204,13 +204,14 @@ def test_c_draft_matches_numpy_fakequant(synth_file):
 def test_default_checkpoint_message(monkeypatch, tmp_path):
     from spel_mlx.checkpoints import CheckpointError
     from spel_mlx.checkpoints import load as checkpoint
+    from spel_mlx.reader import load_checkpoint
     monkeypatch.setattr(checkpoint, "DEFAULT_DIR", tmp_path / "default")
     monkeypatch.delenv("SPEL_WEIGHTS", raising=False)
     with pytest.raises(CheckpointError, match="no trained checkpoint is installed.*spel_mlx.convert"):
-        checkpoint.load_checkpoint()
+        load_checkpoint()
     monkeypatch.setenv("SPEL_WEIGHTS", str(tmp_path / "w.spelw"))
     with pytest.raises(CheckpointError, match="w.spelw: no such file"):
-        checkpoint.load_checkpoint()
+        load_checkpoint()
 
 
 def test_unexpected_exception_is_one_line_exit_3(monkeypatch, capsys, tmp_path):

@@ -1,4 +1,4 @@
-"""spel_mlx.heap: after `import spel_mlx` freed buffers stay mapped (glibc on Linux), so a
+"""spel_mlx.platform.heap: after `import spel_mlx` freed buffers stay mapped (glibc on Linux), so a
 pass that frees and takes again the same megabytes faults no pages in; switched off, the
 same pattern faults them in every time (the negative control)."""
 import os
@@ -8,7 +8,7 @@ import sys
 import pytest
 
 import spel_mlx  # noqa: F401
-from spel_mlx import heap
+from spel_mlx.platform import heap
 
 GLIBC = sys.platform.startswith("linux") and os.confstr("CS_GNU_LIBC_VERSION") is not None
 
@@ -19,7 +19,7 @@ GLIBC = sys.platform.startswith("linux") and os.confstr("CS_GNU_LIBC_VERSION") i
 CHILD = r"""
 import ctypes, resource, sys
 import spel_mlx
-from spel_mlx import heap
+from spel_mlx.platform import heap
 libc = ctypes.CDLL(None)
 libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t]
 libc.free.argtypes = [ctypes.c_void_p]

@@ -122,7 +122,7 @@ def load_stages(path, P, recorded=None):
 @pytest.mark.parametrize("P", [2, 3])
 @pytest.mark.parametrize("strict", [False, True])
 def test_stages_in_sequence_give_the_whole_models_bits(tiny, P, strict):
-    from spel_mlx.checkpoints import load_checkpoint
+    from spel_mlx.reader import load_checkpoint
     from spel_mlx.model import SpelModel, select
     ck = load_checkpoint(str(tiny))
     full = SpelModel.from_weights(ck.cfg, ck.weights)

@@ -203,7 +203,7 @@ def test_shipped_model_sampled_defaults():
     sampled ar and uses drafted-ahead proposals; the residual rule is reproducible for a
     seed and uses them too."""
     _cdraft_or_skip()
-    from spel_mlx.checkpoints import load_checkpoint
+    from spel_mlx.reader import load_checkpoint
     from spel_mlx.model import SpelModel
     ck = load_checkpoint()
     model = SpelModel.from_weights(ck.cfg, ck.weights)

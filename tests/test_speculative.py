@@ -623,7 +623,7 @@ def test_shipped_c_draft_ahead_hits_and_equals_ar():
     """On the shipped model the drafted-ahead proposals are used (hits) and the
     output is still the ar output, greedy and with a sampling fallback."""
     _cdraft_or_skip()
-    from spel_mlx.checkpoints import load_checkpoint
+    from spel_mlx.reader import load_checkpoint
     from spel_mlx.model import SpelModel
     ck = load_checkpoint()
     model = SpelModel.from_weights(ck.cfg, ck.weights)

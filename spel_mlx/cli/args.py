@@ -120,7 +120,7 @@ def draft_length(ap, default: int | None = None, *aliases: str):
 
 
 def kv_cache(ap):
-    from ..state import KV_DTYPES
+    from ..model.state import KV_DTYPES
     ap.add_argument("--kv-cache", choices=tuple(KV_DTYPES), default="float32",
                     help="the target's K/V cache dtype: float32 (the exact model, default) or float16 "
                          "(half the bytes per token at long contexts; k and v rounded once)")

@@ -13,7 +13,8 @@ import os
 import sys
 
 import spel_mlx
-from .. import heap, huge_pages, layout
+from .. import layout
+from ..platform import heap, huge_pages
 from ..config import ConfigError, resolve_config
 from ..settings import effective
 from . import args as shared

@@ -18,7 +18,7 @@ def _load_for_demo(args):
         label = (f"toy 128d/8L random weights (seed {args.model_seed}, "
                  f"{'GDN q tied to k' if tie else 'independent q/k'})")
         return toy_model(args.model_seed, tie_qk=tie), ByteTokenizer(), label
-    from ..checkpoints import load_checkpoint
+    from ..reader import load_checkpoint
     from ..model import SpelModel
     ck = load_checkpoint(args.model)
     tok_path = None

@@ -13,7 +13,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..config import ModelConfig
-from ..cpu_features import simd_cap
+from ..platform.cpu_features import simd_cap
 from ..settings import setting
 from .clib import ffi, lib
 from .clib import require as _lib

@@ -28,7 +28,7 @@ SAMPLE_PROMPTS = ("It is a truth universally acknowledged, that",
 
 
 def heldout_eval(ckpt_path: str, data_dir: str, seq: int = 256, max_tokens: int = 0, chunk: int = 64) -> dict:
-    from ..checkpoints import load_checkpoint
+    from ..reader import load_checkpoint
     from ..model import SpelModel
     from ..tokenizer import encode_documents, load_tokenizer
     ck = load_checkpoint(ckpt_path)

@@ -15,7 +15,7 @@ by the AVX-512 tiles as binary16, widened exactly: the same bits, half the bytes
 """
 from __future__ import annotations
 
-from .settings import SETTINGS, setting
+from ..settings import SETTINGS, setting
 
 LEVELS = SETTINGS["SPEL_SIMD"].choices
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 import ctypes
 import sys
 
-from .settings import setting
+from ..settings import setting
 
 M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3     # mallopt parameters (malloc.h)
 MMAP_THRESHOLD = 32 << 20     # glibc's largest on 64-bit (HEAP_MAX_SIZE / 2)

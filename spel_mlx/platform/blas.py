@@ -28,7 +28,7 @@ import sysconfig
 import tempfile
 import warnings
 
-from .settings import setting
+from ..settings import setting
 
 _INFO: dict = {"kind": "not-loaded", "path": None, "detail": "", "threads": None}
 _KEEP: list = []  # keep ctypes handles alive for the life of the process

@@ -18,7 +18,7 @@ import sys
 import mlx.core as mx
 import numpy as np
 
-from .settings import setting
+from ..settings import setting
 
 HUGE = 2 << 20
 MADV_HUGEPAGE = 14
