@@ -28,7 +28,8 @@ import numpy as np
 from ...settings import setting
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-HEADER = os.path.join(HERE, "metal_emu.h")
+HEADER = os.path.join(HERE, "metal_emu.h")            # the built-ins; includes runtime.h
+HEADERS = (HEADER, os.path.join(HERE, "runtime.h"))   # what a build's cache key reads
 MAX_CONSTANT_ARRAY_SIZE = 8  # MLX: smaller inputs go to the constant address space
 
 # Metal attributes in the order MLX declares them; a body gets those whose name
@@ -249,8 +250,10 @@ class EmuLibrary:
             cxx = compiler()
             if cxx is None:
                 raise EmulationError("no C++ compiler (g++/clang++) found: the Metal emulation needs one")
-            with open(HEADER, encoding="utf-8") as f:
-                emu_header = f.read()
+            emu_header = ""
+            for path in HEADERS:
+                with open(path, encoding="utf-8") as f:
+                    emu_header += f.read()
             parts = ['#include "metal_emu.h"\n']
             seen_headers = set()
             funcs = {}
