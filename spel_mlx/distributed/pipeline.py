@@ -66,6 +66,7 @@ class Pipeline:
         self.broken = self.closed = False
         self.final_stats = None
         self._last_post = time.monotonic()
+        self.pings = 0                      # the keepalive's pings so far (tests idle by them)
         if self.rank == 0:
             threading.Thread(target=self._keepalive, name="spel-pipeline-keepalive", daemon=True).start()
 
@@ -150,6 +151,7 @@ class Pipeline:
         echo = self.link.recv_header("the keepalive's echo")
         if echo != h:
             raise PipelineError(f"protocol: the keepalive {h} came back as {echo}")
+        self.pings += 1
 
 
 def _fingerprint(cfg, tensors) -> list:
