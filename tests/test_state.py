@@ -180,8 +180,9 @@ def test_kv_caches_grow_and_decode_identically(model):
 
 
 def test_decoder_makes_room_for_the_whole_call_before_its_first_round():
-    """Growing the caches mid-call copies them inside one round (measured: a 15-19 ms round
-    at a 2k boundary), so the decoder reserves prompt + max_tokens rows up front."""
+    """Growing the caches mid-call copies them inside one round (a round many steps long
+    at a 2k boundary: docs/model.md, "Attention at real context lengths"), so the decoder
+    reserves prompt + max_tokens rows up front."""
     from spel_mlx.decoding.loop import SpeculativeDecoder
     from spel_mlx.model.state import kv_rows
     cfg = CFG.replace(max_seq=300)
