@@ -213,6 +213,25 @@ def test_package_never_imports_tests():
     assert offenders == KNOWN_TESTS_REFS, "fixed: remove from KNOWN_TESTS_REFS"
 
 
+MAX_DECODING_PARAMS = 6
+
+
+def test_decoding_functions_take_few_parameters():
+    """No function in decoding/ takes more than MAX_DECODING_PARAMS parameters (self
+    aside): a call's state and a constructor's options travel as objects."""
+    wide = []
+    for path in sorted((ROOT / "spel_mlx" / "decoding").glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                a = node.args
+                names = [x.arg for x in a.posonlyargs + a.args + a.kwonlyargs] + \
+                    [x.arg for x in (a.vararg, a.kwarg) if x is not None]
+                n = len([x for x in names if x not in ("self", "cls")])
+                if n > MAX_DECODING_PARAMS:
+                    wide.append(f"{path.name}:{node.lineno} {node.name} takes {n}")
+    assert wide == []
+
+
 @pytest.mark.parametrize("kind", SOURCE_KINDS)
 def test_files_hold_one_concept(kind):
     """No source file of any kind over MAX_LINES lines outside the tests."""

@@ -172,8 +172,8 @@ def placed_proposer(args, model, k, prompt, stderr):
         raise UsageError("--placement auto chooses the draft itself; drop --draft")
     from ..decoding import placement as plc
     try:
-        ranked = plc.calibrate_placement(model.model, model.weights, k=k, prompt=prompt[-8:],
-                                         include_unavailable=False)
+        ranked = plc.calibrate_placement(model.model, model.weights, k=k,
+                                         how=plc.Calibration(prompt=prompt[-8:], include_unavailable=False))
         if not ranked:
             raise UsageError("--placement auto: no placement could be calibrated")
         proposer = plc.apply_placement(ranked[0], model.model, model.weights, k=k)
