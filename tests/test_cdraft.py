@@ -13,7 +13,7 @@ draft = pytest.importorskip("spel_mlx.native.cdraft")
 if draft.lib is None:
     pytest.skip("C draft engine not built", allow_module_level=True)
 
-from reference_quant import draft_logits_reference  # noqa: E402
+from spel_mlx.reference import draft_logits_reference  # noqa: E402
 
 SMALL = ModelConfig(d_model=128, n_heads=2, head_dim=64, d_ff=256, max_seq=64)
 DEFAULT = ModelConfig(max_seq=256)          # the 21m shape, short cache
