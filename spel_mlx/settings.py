@@ -89,6 +89,10 @@ _DECLARED = (
     _config("draft_map", "the target layers the draft copies, e.g. 0:3:6:9"),
     Setting("SPEL_DRAFT_THREADS", "int", None, "C draft worker threads when none are asked for "
             "(--draft-threads wins; default 1)", low=1, high=6),
+    Setting("SPEL_GOVERNOR_STORE", "switch", True, "the cost governor's verdicts are kept across processes "
+            "(in SPEL_CACHE_DIR) and a fresh process's first call starts from them"),
+    Setting("SPEL_CACHE_DIR", "path", None, "where spel_mlx keeps what outlives a process (the governor's "
+            "store; default XDG_CACHE_HOME/spel-mlx)"),
     Setting("SPEL_KERNELS", "choice", "auto", "the target's ops: the fused CPU primitives, plain MLX, "
             "the Metal kernels or their C++ emulation", choices=("auto", "mlx", "cpu", "metal", "emulated")),
     Setting("SPEL_SIMD", "choice", "auto", "caps the SIMD level of the C and C++ kernels "
