@@ -1,6 +1,6 @@
 """Build steps that pyproject.toml cannot express: the C and C++ extensions.
 
-* ``spel_mlx._blasshim``: LP64 CBLAS forwarders (see spel_mlx/_blas.py); a
+* ``spel_mlx.platform._blasshim``: LP64 CBLAS forwarders (see spel_mlx/platform/blas.py); a
   plain shared library loaded with ctypes, never imported.
 * the cffi draft engine from ``neon/`` (when present).
 * ``spel_mlx._spel_cpu`` (Linux): fused CPU primitives for the MLX target
@@ -68,7 +68,7 @@ class BuildExt(build_ext):
 ext_modules = []
 cffi_modules = []
 if sys.platform.startswith("linux"):
-    ext_modules.append(Extension("spel_mlx._blasshim", sources=["spel_mlx/_blasshim.c"],
+    ext_modules.append(Extension("spel_mlx.platform._blasshim", sources=["spel_mlx/platform/_blasshim.c"],
                                  extra_compile_args=["-O2"]))
     ext_modules.append(CMakeExtension("spel_mlx._spel_cpu", os.path.join(HERE, "spel_mlx", "cpu_ext")))
 if os.path.exists(os.path.join(HERE, "neon", "build_ffi.py")):

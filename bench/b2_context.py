@@ -206,11 +206,11 @@ def prefill_repeats(n: int, repeats: int) -> int:
 
 
 def prefill_rows(model, regime, lengths, repeats, K) -> list:
-    from spel_mlx.decoding.factory import make_proposer
+    from spel_mlx.decoding.factory import make_proposer, DraftOptions
     from spel_mlx.decoding.loop import SpeculativeDecoder
     name, cfg = regime["name"], regime["cfg"]
     ar = SpeculativeDecoder(model, None, mode="ar")
-    draft = make_proposer("c", model, regime["weights"], k=K, threads=1, ahead=True)
+    draft = make_proposer("c", model, regime["weights"], k=K, options=DraftOptions(threads=1, ahead=True))
     spec = SpeculativeDecoder(model, draft, mode="spec", k=K)
     got = {(n, m): [] for n in lengths for m in ("ar", "spec")}
     try:
@@ -252,7 +252,7 @@ def prefill_rows(model, regime, lengths, repeats, K) -> list:
 
 
 def ngram_rows(model, regime, doc_len, gen, K) -> list:
-    from spel_mlx.decoding.factory import make_proposer
+    from spel_mlx.decoding.factory import make_proposer, DraftOptions
     from spel_mlx.decoding.loop import SpeculativeDecoder
     name = regime["name"]
     if regime.get("systems_only"):

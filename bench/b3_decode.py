@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 
+from spel_mlx.decoding import DraftOptions
 from spel_mlx.decoding.placement import DeviceProposer
 
 from . import common
@@ -89,8 +90,9 @@ def draft_only_mlx(model, prompt, n: int, ring: int) -> float:
 
 def decode(model, draft, mode, K, prompt, warm, gen, forced_alpha=None, governor=None):
     """(stats) of one timed generate call after an untimed warm call."""
-    from spel_mlx.decoding import SpeculativeDecoder
-    dec = SpeculativeDecoder(model, draft, mode=mode, k=K, forced_alpha=forced_alpha, governor=governor)
+    from spel_mlx.decoding import SpeculativeDecoder, DecodeOptions
+    dec = SpeculativeDecoder(model, draft, mode=mode, k=K,
+                             options=DecodeOptions(forced_alpha=forced_alpha, governor=governor))
     if warm:
         dec.generate(prompt, warm)
     dec.generate(prompt, gen)
@@ -207,7 +209,7 @@ def run_target_placement(job, regime, tgt_label, tgt_dev, K, warm, gen, prompt, 
             continue
         try:
             engine = make_proposer("c" if kind == "c-ahead" else kind, model, regime["weights"], k=K,
-                                threads=th or 1, ahead=(kind == "c-ahead"))
+                                   options=DraftOptions(threads=th or 1, ahead=kind == "c-ahead"))
         except Exception as e:
             why = f"draft {kind!r} could not be built: {type(e).__name__}: {e}"
             rows.append(unavailable(SECTION, "draft only", why, mode="draft-only", **fields))
@@ -261,7 +263,7 @@ def run_target_placement(job, regime, tgt_label, tgt_dev, K, warm, gen, prompt, 
     if Kc and Kc != K:
         fields = dict(regime=name, placement=f"{tgt_label} draft=c-cpu", threads=1, K=Kc)
         try:
-            engine = make_proposer("c", model, regime["weights"], k=Kc, threads=1)
+            engine = make_proposer("c", model, regime["weights"], k=Kc, options=DraftOptions(threads=1))
             st, _ = decode(model, engine, "forced", Kc, prompt, warm, gen, forced_alpha=1.0)
             rows.append(make_row(SECTION, "forced 1.00", mode="forced", primary="tok_s",
                                  metrics=cost_fields(st, ar_token_s, ar_tok_s, Kc), forced_alpha=1.0,

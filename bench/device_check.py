@@ -349,7 +349,7 @@ def train(ck: Check) -> str:
     ck.summary["train"]["draft"] = _run_events(draft)
     if not os.path.isfile(os.path.join(draft, "ckpt", "state.json")):
         _must(rc if rc != 0 else 1, tail, "draft training (no checkpoint)")
-    rc, tail = ck.run("export", py + ["export", "--run", draft, "--out", model, "--data", corpus], caps["export"])
+    rc, tail = ck.run("export", py + ["export", "--run", draft, "--out", model, "--data", corpus, "--force"], caps["export"])
     _must(rc, tail, "export")
     ck.summary["train"]["model_dir"] = model
     tr, dr = ck.summary["train"]["target"], ck.summary["train"]["draft"]

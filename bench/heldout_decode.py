@@ -36,7 +36,7 @@ from dataclasses import replace
 
 import spel_mlx  # noqa: F401  (BLAS before mlx.core)
 from spel_mlx import decoding as sp
-from spel_mlx.checkpoints import load_checkpoint
+from spel_mlx.reader import load_checkpoint
 from spel_mlx.model import SpelModel
 from spel_mlx.tokenizer import load_tokenizer
 
@@ -110,12 +110,15 @@ def main(argv=None) -> int:
     if a.rows in ("all", "greedy"):
         for label, mode, kind, threads, gov, ahead in filter(lambda r: wanted(r[0]), GREEDY_MODES):
             draft = None if kind is None else sp.make_proposer(kind, model, weights=ck.weights, k=a.k,
-                                                             threads=threads or None, ahead=ahead)
-            decoders[label] = (sp.SpeculativeDecoder(model, draft, mode, k=a.k, governor=gov), "ar", False)
+                                                               options=sp.DraftOptions(threads=threads or None,
+                                                                                    ahead=ahead))
+            decoders[label] = (sp.SpeculativeDecoder(model, draft, mode, k=a.k,
+                                                     options=sp.DecodeOptions(governor=gov)), "ar", False)
     if a.rows in ("all", "sampled"):
         for label, mode, kind, threads, params, ahead in filter(lambda r: wanted(r[0]), SAMPLED_MODES):
             draft = None if kind is None else sp.make_proposer(kind, model, weights=ck.weights, k=a.k,
-                                                             threads=threads or None, ahead=ahead)
+                                                               options=sp.DraftOptions(threads=threads or None,
+                                                                                    ahead=ahead))
             decoders[label] = (sp.SpeculativeDecoder(model, draft, mode, k=a.k, params=params), "ar, sampled", True)
     llama = peers.build_llama(cfg) if a.rows != "sampled" else None
     rows = []

@@ -47,7 +47,7 @@ def synthetic_weights(cfg, seed: int = 0) -> dict:
 def trained_checkpoint() -> tuple:
     """(Checkpoint, None) for the shipped default (or $SPEL_WEIGHTS), else (None, reason)."""
     try:
-        from spel_mlx.checkpoints import load_checkpoint
+        from spel_mlx.reader import load_checkpoint
         return load_checkpoint(None), None
     except Exception as e:
         return None, f"{type(e).__name__}: {e}"

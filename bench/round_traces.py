@@ -27,7 +27,7 @@ import numpy as np
 
 import spel_mlx  # noqa: F401  (BLAS before mlx.core)
 from spel_mlx import decoding as sp
-from spel_mlx.checkpoints import load_checkpoint
+from spel_mlx.reader import load_checkpoint
 from spel_mlx.decoding.ngram import NgramIndex
 from spel_mlx.model import SpelModel
 from spel_mlx.native.cdraft import CDraft

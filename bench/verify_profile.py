@@ -31,7 +31,7 @@ def main(argv=None):
     ap.add_argument("--strict", action="store_true", help="also time strict verify")
     args = ap.parse_args(argv)
     if args.preset == "shipped":
-        from spel_mlx.checkpoints import load_checkpoint
+        from spel_mlx.reader import load_checkpoint
         ck = load_checkpoint()
         cfg, weights = ck.cfg, ck.weights
     else:

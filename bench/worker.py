@@ -69,11 +69,11 @@ def run_section(section: str, job: dict, regime: dict) -> list:
 
 def run_placement(job: dict, regime: dict) -> list:
     """The calibration behind ``--placement auto``: c and v per placement, ranked."""
-    from spel_mlx.decoding.placement import calibrate_placement
+    from spel_mlx.decoding.placement import Calibration, calibrate_placement
     from .b2_verify import get_model
     ranked = calibrate_placement(get_model(regime), regime["weights"], k=job["K"],
-                                 threads=job["threads"], alpha=PLACEMENT_ALPHA,
-                                 prompt=regime["prompt"], reps=max(3, job["b2_repeats"]))
+                                 how=Calibration(threads=job["threads"], alpha=PLACEMENT_ALPHA,
+                                                 prompt=regime["prompt"], reps=max(3, job["b2_repeats"])))
     rows, rank = [], 0
     for p in ranked:
         fields = dict(regime=regime["name"], placement=p.name.rsplit(" threads=", 1)[0],

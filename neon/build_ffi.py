@@ -14,7 +14,21 @@ import sysconfig
 from cffi import FFI
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-SOURCES = ["quant.c", "kernels.c", "pool.c", "draft.c", "sampling.c"]
+
+
+def engine_sources(root=HERE) -> list:
+    """Every .c file under neon/ but its tests, relative to it: the engine (draft.c,
+    forward.c, ahead.c, gemv.c), its kernels (kernels.c: the scalar reference and the
+    choice; arch/x86, arch/arm), quant.c, pool.c, sampling.c.  The cross-compiled tests
+    build the same list."""
+    out = []
+    for folder, dirs, files in os.walk(root):
+        dirs[:] = sorted(d for d in dirs if d not in ("tests", "__pycache__"))
+        out += [os.path.relpath(os.path.join(folder, f), root) for f in sorted(files) if f.endswith(".c")]
+    return out
+
+
+SOURCES = engine_sources()
 # -ffp-contract=off: no silent fused multiply-adds, so results match numpy and do
 # not depend on which ISA variant of a function ran.
 CFLAGS = ["-O3", "-std=gnu11", "-ffp-contract=off", "-fno-math-errno", "-pthread"]

@@ -2,7 +2,9 @@
 (the temporary file and the rename are checkpoints.files.AtomicFile's)."""
 from __future__ import annotations
 
+import errno
 import json
+import os
 
 import numpy as np
 
@@ -22,3 +24,11 @@ def write_json(path: str, obj, default=None) -> None:
 def save_npy(path: str, array) -> None:
     with AtomicFile(path) as out:
         np.save(out.f, array)
+
+
+def refuse_existing(paths, force: bool) -> None:
+    """An output that exists is replaced only when asked (``force``: --force): nothing
+    is overwritten by mistake.  FileExistsError names the first that exists."""
+    for path in paths:
+        if path and os.path.lexists(path) and not force:
+            raise FileExistsError(errno.EEXIST, "already exists: pass --force to replace it", str(path))

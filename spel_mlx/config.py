@@ -8,9 +8,10 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import os
 import struct
 from dataclasses import dataclass
+
+from .settings import raw as raw_setting
 
 MAX_DRAFT = 8  # SPELW001 header has 8 draft_map bytes
 
@@ -187,11 +188,11 @@ def parse_config_string(s: str) -> dict:
 
 
 def env_overrides(environ=None) -> dict:
-    env = os.environ if environ is None else environ
-    out = dict(parse_config_string(env.get("SPEL_CONFIG", "")))
+    out = dict(parse_config_string(raw_setting("SPEL_CONFIG", environ)))
     for var, key in _ENV.items():
-        if env.get(var, "").strip():
-            out[key] = _parse_value(key, env[var])
+        text = raw_setting(var, environ)
+        if text:
+            out[key] = _parse_value(key, text)
     return out
 
 

@@ -1,6 +1,6 @@
 """Convert checkpoints between SPELW001 and a safetensors model folder.
 
-    python -m spel_mlx.convert SRC DST [--dtype f32|f16|bf16] [--force] [--quiet]
+    python -m spel_mlx convert SRC DST [--dtype f32|f16|bf16] [--force] [--quiet]
 
 Direction by SRC: a folder or a ``.safetensors`` file -> DST is a SPELW001 file;
 any other file (``.spelw``, ``.bin``, ...) is read as SPELW001 -> DST is a folder
@@ -13,11 +13,10 @@ the golden logits for the rounded weights.  Exit 2 on bad input, one line on std
 """
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 
-from ._cli import guarded
+from .atomic import refuse_existing
 from .config import ConfigError
 from .checkpoints import CheckpointError, Progress
 
@@ -71,7 +70,7 @@ def convert(src: str, dst: str, dtype: str = "F32", progress: bool = True, force
             raise CheckpointError(dst, "destination is a folder; a SPELW001 file path is expected")
         st = SafetensorsModel(src)  # validated here, before anything is created
         check_destination(dst, [src, *st.source_paths], [dst])
-        _refuse_existing([dst], force)
+        refuse_existing([dst], force)
         g = st.golden()
         total = spelw_size(st.cfg, g.n if g is not None else None)
         prog = Progress(f"convert {os.path.basename(os.path.normpath(src))} -> {os.path.basename(dst)}",
@@ -83,7 +82,7 @@ def convert(src: str, dst: str, dtype: str = "F32", progress: bool = True, force
         raise CheckpointError(dst, "destination is a file; a folder is expected for SPELW001 -> safetensors")
     outputs = [os.path.join(dst, MODEL_FILE), os.path.join(dst, CONFIG_FILE)]
     check_destination(dst, [src], outputs)
-    _refuse_existing(outputs, force)
+    refuse_existing(outputs, force)
     golden = rounded_golden(src, dtype, progress) if dtype != "F32" else None
     prog = Progress(f"convert {os.path.basename(src)} -> {os.path.basename(os.path.normpath(dst))}",
                     os.path.getsize(src), enabled=progress)
@@ -91,29 +90,6 @@ def convert(src: str, dst: str, dtype: str = "F32", progress: bool = True, force
     return f"SPELW001 -> safetensors ({dtype})"
 
 
-def _refuse_existing(outputs, force: bool):
-    for o in outputs:
-        if os.path.lexists(o) and not force:
-            raise CheckpointError(o, "already exists: pass --force to replace it")
-
-
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m spel_mlx.convert", description=__doc__.split("\n\n")[0])
-    ap.add_argument("src")
-    ap.add_argument("dst")
-    ap.add_argument("--dtype", default="f32", type=str.upper, choices=("F32", "F16", "BF16"))
-    ap.add_argument("--quiet", action="store_true")
-    ap.add_argument("--force", action="store_true", help="replace an existing destination")
-    a = ap.parse_args(argv)
-    return guarded(lambda: _run(a), (CheckpointError, ConfigError, ValueError, OSError), "convert",
-                   "interrupted (no output written)", internal=" (no output written)")
-
-
-def _run(a) -> int:
-    what = convert(a.src, a.dst, a.dtype, progress=not a.quiet, force=a.force)
-    if not a.quiet:
-        print(f"convert: {what}: {a.src} -> {a.dst}", file=sys.stderr)
-    return 0
-
-if __name__ == "__main__":
+if __name__ == "__main__":       # python -m spel_mlx.convert: the convert command
+    from .cli.convert import main
     sys.exit(main())

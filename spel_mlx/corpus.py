@@ -1,7 +1,7 @@
-"""``python -m spel_mlx.corpus``: build the training corpus (spel_mlx/training/corpus.py)."""
+"""``python -m spel_mlx.corpus``: the corpus command (spel_mlx/cli/corpus.py)."""
 import sys
 
-from .training.corpus import main
+from spel_mlx.cli.corpus import main
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -6,12 +6,11 @@ draft (q8 wqkv/wo, ternary w1/w3/w2, per-vector int8 activations; SPEC 3).
 
 Target: the MLX model (``SpelModel``, strict single-token steps).
 Draft: the C engine ``spel_mlx.native.cdraft.CDraft`` when it can be imported and built;
-otherwise a numpy fake-quant forward over ``spel_mlx.quant`` (the reference the
-C engine is tested against).  ``golden_backends()`` says which paths ran.
+otherwise the float64 reference's quantized draft (``spel_mlx.reference``, over
+``spel_mlx.quant``: what the C engine is tested against).  ``golden_backends()`` says which paths ran.
 """
 from __future__ import annotations
 
-import math
 
 import numpy as np
 
@@ -19,7 +18,6 @@ from .config import ModelConfig
 from .layout import tensor_specs
 
 GOLDEN_N = 16
-L2_EPS = 1e-6
 
 
 def golden_tokens(cfg: ModelConfig, seed: int, n: int = GOLDEN_N) -> np.ndarray:
@@ -75,124 +73,10 @@ def draft_logits_c(cfg: ModelConfig, weights: dict, tokens) -> np.ndarray:
         d.close()
 
 
-class NumpyStack:
-    """A single-token numpy forward of the target (FP32) or the draft, the latter
-    either FP32 or fake-quantized exactly as SPEC 3 (quantized weights, int8
-    per-vector activations, int32-exact dot products)."""
-
-    def __init__(self, cfg: ModelConfig, weights: dict, stack: str = "draft", quantized: bool = True):
-        from . import quant
-
-        self.cfg, self.quant = cfg, quant
-        f32 = lambda n: np.asarray(weights[n], dtype=np.float32)  # noqa: E731
-        self.emb, self.final_norm, self.head = f32("tok_emb.weight"), f32("final_norm.weight"), f32("lm_head.weight")
-        if stack == "target":
-            layers = [(f"layers.{i}.", cfg.layer_kind(i)) for i in range(cfg.n_layers)]
-        else:
-            layers = [(f"draft.layers.{j}.", cfg.layer_kind(src)) for j, src in enumerate(cfg.draft_map)]
-        quantize = quantized and stack == "draft"
-        self.layers = []
-        for prefix, kind in layers:
-            p = {"kind": kind, "attn_norm": f32(prefix + "attn_norm.weight"), "ffn_norm": f32(prefix + "ffn_norm.weight")}
-            for short, name, scheme in (("wqkv", "mixer.wqkv.weight", "q8"), ("wo", "mixer.wo.weight", "q8"),
-                                        ("w1", "mlp.w1.weight", "t"), ("w3", "mlp.w3.weight", "t"),
-                                        ("w2", "mlp.w2.weight", "t")):
-                w = f32(prefix + name)
-                if quantize:
-                    q, s = quant.quantize_q8(w) if scheme == "q8" else quant.quantize_ternary(w)
-                    p[short] = ("q", q, s)
-                else:
-                    p[short] = ("f", w)
-            if kind == "gdn":
-                p["conv"] = f32(prefix + "mixer.conv")
-                p["a"] = (1.0 / (1.0 + np.exp(-f32(prefix + "mixer.decay_logit").astype(np.float64)))).astype(np.float32)
-                p["beta"] = (1.0 / (1.0 + np.exp(-f32(prefix + "mixer.beta_logit").astype(np.float64)))).astype(np.float32)
-            self.layers.append(p)
-        hd = cfg.head_dim
-        self.inv_freq = (cfg.rope_theta ** (-np.arange(0, hd, 2, dtype=np.float64) / hd))
-        self.reset()
-
-    def reset(self):
-        cfg = self.cfg
-        H, hd, d = cfg.n_heads, cfg.head_dim, cfg.d_model
-        self.pos = 0
-        self.state = []
-        for p in self.layers:
-            if p["kind"] == "gdn":
-                self.state.append({"S": np.zeros((H, hd, hd), np.float32), "tail": np.zeros((2, d), np.float32)})
-            else:
-                self.state.append({"k": [], "v": []})
-
-    def _linear(self, w, x):
-        if w[0] == "f":
-            return (w[1] @ x).astype(np.float32)
-        _, q, s = w
-        xq, sx = self.quant.quantize_activation(x)
-        return self.quant._scale(s, sx, self.quant.dot_q8_int(q, xq))
-
-    def _rms(self, x, g):
-        return (x / np.sqrt(np.mean(x.astype(np.float64) ** 2) + self.cfg.norm_eps) * g).astype(np.float32)
-
-    @staticmethod
-    def _silu(x):
-        return (x / (1.0 + np.exp(-x.astype(np.float64)))).astype(np.float32)
-
-    def _heads_l2(self, x):
-        H, hd = self.cfg.n_heads, self.cfg.head_dim
-        x = x.reshape(H, hd).astype(np.float64)
-        return x / np.sqrt((x * x).sum(axis=1, keepdims=True) + L2_EPS)
-
-    def step(self, token: int) -> np.ndarray:
-        cfg = self.cfg
-        H, hd, inner = cfg.n_heads, cfg.head_dim, cfg.inner
-        x = self.emb[token].astype(np.float32)
-        for p, st in zip(self.layers, self.state):
-            xn = self._rms(x, p["attn_norm"])
-            if p["kind"] == "gdn":
-                c, tail = p["conv"], st["tail"]
-                u = self._silu(c[0] * tail[0] + c[1] * tail[1] + c[2] * xn)
-                st["tail"] = np.stack([tail[1], xn])
-                qkv = self._linear(p["wqkv"], u)
-                q, k = self._heads_l2(qkv[:inner]), self._heads_l2(qkv[inner:2 * inner])
-                v = qkv[2 * inner:].reshape(H, hd).astype(np.float64)
-                S = st["S"].astype(np.float64)
-                a, b = p["a"].astype(np.float64), p["beta"].astype(np.float64)
-                pred = np.einsum("hvk,hk->hv", S, k)
-                S = a[:, None, None] * S + b[:, None, None] * np.einsum("hv,hk->hvk", v - pred, k)
-                st["S"] = S.astype(np.float32)
-                o = np.einsum("hvk,hk->hv", S, q) / math.sqrt(hd)
-            else:
-                qkv = self._linear(p["wqkv"], xn)
-                q, k = self._heads_l2(qkv[:inner]), self._heads_l2(qkv[inner:2 * inner])
-                v = qkv[2 * inner:].reshape(H, hd).astype(np.float64)
-                ang = self.pos * self.inv_freq
-                cos, sin = np.cos(ang), np.sin(ang)
-
-                def rope(t):
-                    e, o_ = t[:, 0::2], t[:, 1::2]
-                    r = np.empty_like(t)
-                    r[:, 0::2], r[:, 1::2] = e * cos - o_ * sin, e * sin + o_ * cos
-                    return r
-                q, k = rope(q), rope(k)
-                st["k"].append(k)
-                st["v"].append(v)
-                K, Vv = np.stack(st["k"]), np.stack(st["v"])        # [T, H, hd]
-                logits = math.sqrt(hd) * np.einsum("hd,thd->ht", q, K)
-                w = np.exp(logits - logits.max(axis=1, keepdims=True))
-                w /= w.sum(axis=1, keepdims=True)
-                o = np.einsum("ht,thd->hd", w, Vv)
-            h = x + self._linear(p["wo"], o.reshape(inner).astype(np.float32))
-            hn = self._rms(h, p["ffn_norm"])
-            m = self._silu(self._linear(p["w1"], hn)) * self._linear(p["w3"], hn)
-            x = (h + self._linear(p["w2"], m.astype(np.float32))).astype(np.float32)
-        self.pos += 1
-        return (self.head @ self._rms(x, self.final_norm)).astype(np.float32)
-
-
 def draft_logits_numpy(cfg: ModelConfig, weights: dict, tokens) -> np.ndarray:
-    toks = _check_tokens(cfg, tokens)
-    stack = NumpyStack(cfg, weights, "draft", quantized=True)
-    return np.stack([stack.step(t) for t in toks])
+    """Quantized-draft logits [n, V] from the float64 reference (spel_mlx/reference.py)."""
+    from .reference import draft_logits_reference
+    return draft_logits_reference(cfg, weights, _check_tokens(cfg, tokens)).astype(np.float32)
 
 
 # --------------------------------------------------------------------------- API
@@ -222,13 +106,13 @@ def compute_draft(cfg: ModelConfig, weights: dict, tokens, prefer: str = "auto")
 
 
 def target_logits_numpy(cfg: ModelConfig, weights: dict, tokens) -> np.ndarray:
-    toks = _check_tokens(cfg, tokens)
-    stack = NumpyStack(cfg, weights, "target", quantized=False)
-    return np.stack([stack.step(t) for t in toks])
+    """FP32 target logits [n, V] from the float64 reference (spel_mlx/reference.py)."""
+    from .reference import forward_reference
+    return forward_reference(cfg, weights, _check_tokens(cfg, tokens), stack="target").astype(np.float32)
 
 
 def compute_target(cfg: ModelConfig, weights: dict, tokens, prefer: str = "mlx") -> np.ndarray:
-    """FP32 target logits; prefer 'mlx' (the model) or 'numpy' (NumpyStack)."""
+    """FP32 target logits; prefer 'mlx' (the model) or 'numpy' (the float64 reference)."""
     if prefer == "mlx":
         out = target_logits_mlx(cfg, weights, tokens)
         _last_backends["target"] = "mlx"

@@ -28,7 +28,8 @@ def find_tokenizer_path(tokenizer, ckpt_path: str, vocab: int):
 def checkpoint_path(checkpoint=None) -> str:
     """`checkpoint`, else SPEL_WEIGHTS, else the installed default (NoCheckpoint when none)."""
     from .checkpoints import CheckpointError, default_checkpoint_dir
-    path = checkpoint or os.environ.get("SPEL_WEIGHTS", "").strip() or None
+    from .settings import setting
+    path = checkpoint or setting("SPEL_WEIGHTS")
     if path is None:
         try:
             path = str(default_checkpoint_dir())
@@ -54,7 +55,7 @@ def load_for_decoding(checkpoint=None, config=None, spec_k=None, tokenizer=None,
     the installed default; `config`: overrides "k=v,..." that must agree with it;
     `device`: where the target will run, "cpu" | "gpu" (None: the current default
     device), which decides its ops (spel_mlx.model.backends)."""
-    from .checkpoints import load_checkpoint
+    from .reader import load_checkpoint
 
     path = checkpoint_path(checkpoint)
     with reading_checkpoint(path):

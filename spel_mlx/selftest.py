@@ -1,6 +1,6 @@
 """User-facing self-check: the original's eight invariant suites.
 
-    python -m spel_mlx.selftest [--preset 21m] [--config k=v,...] [--seed N]
+    python -m spel_mlx selftest [--preset 21m] [--config k=v,...] [--seed N] [--only 3,6]
 
 Runs on random weights of the given shape (21m by default), strict path unless a
 suite says otherwise, and prints one line per suite, then ``PASS (0 failures)``
@@ -18,7 +18,6 @@ built reports SKIP with the reason and does not count as a failure.
 """
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 import tempfile
@@ -74,20 +73,20 @@ class Context:
         for (pi, m, st), toks in self._ar.items():
             if pi == prompt_i and st == strict and m >= n:
                 return toks[:n]
-        from .decoding import SpeculativeDecoder
-        toks = SpeculativeDecoder(self.model, None, "ar", k=4, strict=strict).generate(
+        from .decoding import SpeculativeDecoder, DecodeOptions
+        toks = SpeculativeDecoder(self.model, None, "ar", k=4, options=DecodeOptions(strict=strict)).generate(
             self.prompts[prompt_i], n)
         self._ar[(prompt_i, n, strict)] = toks
         return toks
 
     def draft(self, k: int, threads: int = 1, strict: bool = True):
         """A proposer: the C draft when built, else the MLX FP32 draft stack."""
-        from .decoding import make_proposer
+        from .decoding import make_proposer, DraftOptions
         try:
             _cdraft_module()
-            return make_proposer("c", self.model, self.weights, k=k, threads=threads)
+            return make_proposer("c", self.model, self.weights, k=k, options=DraftOptions(threads=threads))
         except Skip:
-            return make_proposer("mlx", self.model, k=k, strict=strict)
+            return make_proposer("mlx", self.model, k=k, options=DraftOptions(strict=strict))
 
 
 # ------------------------------------------------------------------- suites
@@ -151,14 +150,14 @@ def suite_batched(ctx):
 
 
 def suite_spec_fidelity(ctx):
-    from .decoding import GovernorConfig, SpeculativeDecoder, make_proposer
+    from .decoding import GovernorConfig, SpeculativeDecoder, DecodeOptions, make_proposer, DraftOptions
     parts, ok = [], True
     raw = GovernorConfig(policy="off")     # spec drafts every round: the most rounds checked
     for K, mode, n in ((4, "spec", 40), (4, "governed", 32), (16, "spec", 32), (16, "governed", 32)):
         ref = ctx.ar(0, n)
         draft = ctx.draft(K)
-        dec = SpeculativeDecoder(ctx.model, draft, mode, k=K, strict=True,
-                                 governor=raw if mode == "spec" else None)
+        dec = SpeculativeDecoder(ctx.model, draft, mode, k=K,
+                                 options=DecodeOptions(strict=True, governor=raw if mode == "spec" else None))
         out = dec.generate(ctx.prompts[0], n)
         draft.close()
         same = sum(a == b for a, b in zip(out, ref)) if len(out) == len(ref) else 0
@@ -169,8 +168,8 @@ def suite_spec_fidelity(ctx):
     # the full target as its own draft: every proposal must be accepted (strict rows are
     # bit-identical), which exercises the accept path a random draft rarely reaches
     ref = ctx.ar(0, 40)
-    dec = SpeculativeDecoder(ctx.model, make_proposer("target", ctx.model, k=4, strict=True),
-                                "oracle", k=4, strict=True)
+    dec = SpeculativeDecoder(ctx.model, make_proposer("target", ctx.model, k=4, options=DraftOptions(strict=True)),
+                                "oracle", k=4, options=DecodeOptions(strict=True))
     out = dec.generate(ctx.prompts[0], 40)
     ok &= out == ref and dec.stats.alpha == 1.0
     parts.append(f"oracle K=4 {sum(a == b for a, b in zip(out, ref))}/40 (alpha {dec.stats.alpha:.2f})")
@@ -202,11 +201,12 @@ def suite_notebank(ctx):
 
 def suite_fast_path(ctx):
     import mlx.core as mx
-    from .decoding import GovernorConfig, SpeculativeDecoder
+    from .decoding import GovernorConfig, SpeculativeDecoder, DecodeOptions
     n = 24
     ref = ctx.ar(0, n, strict=True)
     draft = ctx.draft(4, strict=False)
-    dec = SpeculativeDecoder(ctx.model, draft, "spec", k=4, strict=False, governor=GovernorConfig(policy="off"))
+    dec = SpeculativeDecoder(ctx.model, draft, "spec", k=4,
+                             options=DecodeOptions(strict=False, governor=GovernorConfig(policy="off")))
     out = dec.generate(ctx.prompts[0], n)
     draft.close()
     same = sum(a == b for a, b in zip(out, ref))
@@ -223,13 +223,14 @@ def suite_fast_path(ctx):
 
 
 def suite_forced(ctx):
-    from .decoding import SpeculativeDecoder
+    from .decoding import SpeculativeDecoder, DecodeOptions
     parts, ok = [], True
     for alpha, rounds in ((0.75, 10), (1.0, 8)):
         K = 4
         n_tokens = rounds * (int(alpha * K) + 1)
         draft = ctx.draft(K)
-        dec = SpeculativeDecoder(ctx.model, draft, "forced", k=K, forced_alpha=alpha, strict=True)
+        dec = SpeculativeDecoder(ctx.model, draft, "forced", k=K,
+                                 options=DecodeOptions(forced_alpha=alpha, strict=True))
         out = dec.generate(ctx.prompts[1], n_tokens)
         st = dec.stats
         want_acc = int(round(alpha * K * rounds))
@@ -247,7 +248,7 @@ def suite_forced(ctx):
 def suite_roundtrip(ctx):
     import mlx.core as mx
     try:
-        from .checkpoints import load_checkpoint
+        from .reader import load_checkpoint
         from .converters.spelw_safetensors import safetensors_to_spelw, spelw_to_safetensors
         from .checkpoints import write_spelw
     except ImportError as e:
@@ -339,7 +340,7 @@ def run(cfg, seed: int = 0, out=None, only=None) -> int:
     return failures
 
 
-def _parse_only(text: str) -> set:
+def parse_only(text: str) -> set:
     """Suite numbers from --only; an unknown number would silently run nothing and PASS."""
     n = len(SUITES)
     only = set()
@@ -351,27 +352,6 @@ def _parse_only(text: str) -> set:
     return only
 
 
-def main(argv=None) -> int:
-    from .config import ConfigError, resolve_config
-    ap = argparse.ArgumentParser(prog="python -m spel_mlx.selftest",
-                                 description="The eight invariant suites of the original, on random weights.")
-    ap.add_argument("--preset", default="21m")
-    ap.add_argument("--config", default=None, help="overrides k=v,... (e.g. a smaller shape)")
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--only", default=None, help="comma-separated suite numbers, e.g. 3,6")
-    args = ap.parse_args(argv)
-    try:
-        cfg = resolve_config(args.preset, args.config)
-        only = _parse_only(args.only) if args.only is not None else None
-    except (ConfigError, ValueError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    try:
-        return 1 if run(cfg, args.seed, only=only) else 0
-    except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
-        return 130
-
-
-if __name__ == "__main__":
+if __name__ == "__main__":       # python -m spel_mlx.selftest: the selftest command
+    from .cli.selftest import main
     sys.exit(main())

@@ -1,6 +1,6 @@
 """Write a random SPELW001 model with a golden footer.
 
-    python -m spel_mlx.synth --preset 21m|218m [--config k=v,...] --seed N --out FILE
+    python -m spel_mlx synth --preset 21m|218m [--config k=v,...] --seed N --out FILE [--force]
 
 Tensors are generated and written one at a time (each from its own generator
 seeded by (seed, tensor index), so the output depends only on seed and config),
@@ -14,18 +14,15 @@ beta logits U(-0.5, 0.5) (beta ~ 0.5).
 """
 from __future__ import annotations
 
-import argparse
 import math
 import os
 import sys
 
 import numpy as np
 
-from ._cli import guarded
-from .config import ConfigError, ModelConfig, resolve_config
+from .config import ModelConfig
 from .layout import TensorSpec, tensor_specs
-from .checkpoints import CheckpointError, Golden, Progress, SpelwWriter, read_spelw
-from .checkpoints.rules import check_memory
+from .checkpoints import Golden, Progress, SpelwWriter, read_spelw
 
 
 def synth_tensor(spec: TensorSpec, seed: int, index: int) -> np.ndarray:
@@ -74,36 +71,6 @@ def write_synth(out, cfg: ModelConfig, seed: int, n_golden: int = 16, draft: str
     return {"golden": golden_backends(), "tokens": tokens}
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m spel_mlx.synth", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--preset", default="21m", help="21m or 218m")
-    ap.add_argument("--config", default=None, help="overrides, e.g. d_model=64,n_layers=4")
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--out", required=True)
-    ap.add_argument("--golden-n", type=int, default=16, help="number of golden tokens (SPEC: 16)")
-    ap.add_argument("--draft", choices=("auto", "c", "numpy"), default="auto",
-                    help="quantized draft for the golden logits: C engine, numpy fake-quant, or C if it loads")
-    ap.add_argument("--target", choices=("mlx", "numpy"), default="mlx",
-                    help="FP32 target for the golden logits: the MLX model (default) or the numpy forward")
-    ap.add_argument("--quiet", action="store_true")
-    a = ap.parse_args(argv)
-    return guarded(lambda: _run(a), (ConfigError, CheckpointError, ValueError, OSError), "synth",
-                   "interrupted (no output written)", internal=" (no output written)")
-
-
-def _run(a) -> int:
-    cfg = resolve_config(a.preset, a.config)
-    if not (1 <= a.golden_n <= cfg.max_seq):
-        raise ConfigError(f"--golden-n={a.golden_n}: must be in 1..max_seq={cfg.max_seq}")
-    if a.seed < 0:
-        raise ConfigError(f"--seed={a.seed}: must be >= 0")
-    check_memory(cfg, a.out)
-    info = write_synth(a.out, cfg, a.seed, a.golden_n, a.draft, progress=not a.quiet, target=a.target)
-    if not a.quiet:
-        b = info.get("golden") or {}
-        print(f"wrote {a.out}: {os.path.getsize(a.out)} bytes, target {cfg.target_params():,} params, "
-              f"draft {cfg.draft_params():,} params, golden target={b.get('target')} draft={b.get('draft')}")
-    return 0
-
-if __name__ == "__main__":
+if __name__ == "__main__":       # python -m spel_mlx.synth: the synth command
+    from .cli.synth import main
     sys.exit(main())

@@ -5,16 +5,13 @@ Common interface: ``encode(str) -> list[int]``, ``decode(list[int]) -> str``,
 ``vocab_size``, ``name``.  ``load_tokenizer(vocab, path)`` picks by the
 checkpoint's vocabulary size.
 
-    python -m spel_mlx.tokenizer train --input data/corpus/train.txt --vocab 2048 --out spel_mlx/assets/tokenizer.model
+    python -m spel_mlx tokenizer train --input data/corpus/train.txt --vocab 2048 --out spel_mlx/assets/tokenizer.model
 """
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 import tempfile
-
-from ._cli import guarded
 
 ASSETS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "assets")
 DEFAULT_SP_MODEL = os.path.join(ASSETS, "tokenizer.model")
@@ -138,31 +135,6 @@ def train_sentencepiece(input_txt: str, out_model: str, vocab: int = 2048,
     return SentencePieceTokenizer(out_model)
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m spel_mlx.tokenizer")
-    sub = ap.add_subparsers(dest="cmd", required=True)
-    t = sub.add_parser("train", help="train the SentencePiece model on the training split")
-    t.add_argument("--input", default="data/corpus/train.txt")
-    t.add_argument("--vocab", type=int, default=2048)
-    t.add_argument("--out", default=DEFAULT_SP_MODEL)
-    e = sub.add_parser("encode", help="print token ids of a text")
-    e.add_argument("text")
-    e.add_argument("--vocab", type=int, default=0, help="128 for the ASCII byte vocabulary")
-    a = ap.parse_args(argv)
-    return guarded(lambda: _run(a), (TokenizerError,))
-
-
-def _run(a) -> int:
-    if a.cmd == "train":
-        tok = train_sentencepiece(a.input, a.out, a.vocab)
-        print(f"wrote {a.out} ({tok.vocab_size} pieces)")
-    else:
-        tok = ByteTokenizer() if a.vocab == 128 else SentencePieceTokenizer()
-        ids = tok.encode(a.text)
-        print(" ".join(map(str, ids)))
-        print(" | ".join(tok.id_to_piece(i) for i in ids))
-    return 0
-
-
-if __name__ == "__main__":
+if __name__ == "__main__":       # python -m spel_mlx.tokenizer: the tokenizer command
+    from .cli.tokenizer import main
     sys.exit(main())

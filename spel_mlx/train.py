@@ -1,7 +1,7 @@
-"""``python -m spel_mlx.train``: the trainer's command (spel_mlx/training/cli.py)."""
+"""``python -m spel_mlx.train``: the train command (spel_mlx/cli/train.py)."""
 import sys
 
-from .training.cli import main
+from spel_mlx.cli.train import main
 
 if __name__ == "__main__":
     sys.exit(main())

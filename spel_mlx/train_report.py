@@ -1,8 +1,7 @@
-"""``python -m spel_mlx.train_report``: quality report of an exported model
-(spel_mlx/training/report.py)."""
+"""``python -m spel_mlx.train_report``: the train-report command (spel_mlx/cli/train_report.py)."""
 import sys
 
-from .training.report import main
+from spel_mlx.cli.train_report import main
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -1,6 +1,6 @@
 """Verify a checkpoint against its golden footer (SPEC 6).
 
-    python -m spel_mlx.verify_weights FILE [--config k=v,...]
+    python -m spel_mlx verify-weights FILE [--config k=v,...]
 
 Loads FILE (SPELW001 or a safetensors folder), runs the golden tokens one per
 position from a reset state through the target (MLX) and the quantized draft,
@@ -12,17 +12,14 @@ stderr naming the file, the field or tensor and the byte offset), 3 internal err
 """
 from __future__ import annotations
 
-import argparse
-import os
 import sys
 
 import numpy as np
 
-from ._cli import guarded
 from .config import ConfigError, resolve_config
 from .checkpoints import CheckpointError
+from .settings import SettingError, setting
 
-DEFAULT_TOL = 1e-3
 
 
 def _mb(n_params: int) -> str:
@@ -38,20 +35,14 @@ def compare(ref: np.ndarray, got: np.ndarray) -> tuple:
 
 
 def tolerance(environ=None) -> float:
-    raw = (os.environ if environ is None else environ).get("SPEL_VERIFY_TOL", "").strip()
-    if not raw:
-        return DEFAULT_TOL
     try:
-        tol = float(raw)
-    except ValueError:
-        raise ConfigError(f"SPEL_VERIFY_TOL={raw!r}: not a number") from None
-    if not tol > 0:
-        raise ConfigError(f"SPEL_VERIFY_TOL={raw!r}: must be positive")
-    return tol
+        return setting("SPEL_VERIFY_TOL", environ)
+    except SettingError as e:
+        raise ConfigError(str(e)) from None
 
 
 def verify(path, config: str | None = None, draft: str = "auto", out=None, target_backend: str = "mlx") -> bool:
-    from .checkpoints import load_checkpoint
+    from .reader import load_checkpoint
     from .golden import compute_draft, compute_target, golden_backends
 
     out = sys.stdout if out is None else out
@@ -89,19 +80,6 @@ def verify(path, config: str | None = None, draft: str = "auto", out=None, targe
     return ok
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m spel_mlx.verify_weights", description=__doc__.split("\n\n")[0])
-    ap.add_argument("file", nargs="?", default=None, help="SPELW001 file or safetensors folder "
-                    "(default: $SPEL_WEIGHTS, then the shipped default)")
-    ap.add_argument("--config", default=None, help="k=v,... (must agree with the checkpoint header)")
-    ap.add_argument("--draft", choices=("auto", "c", "numpy"), default="auto",
-                    help="quantized draft: the C engine, the numpy fake-quant reference, or C if it loads")
-    ap.add_argument("--target", choices=("mlx", "numpy"), default="mlx",
-                    help="FP32 target: the MLX model (default) or the numpy forward")
-    a = ap.parse_args(argv)
-    # ValueError: the C draft refusing weights
-    return guarded(lambda: 0 if verify(a.file, a.config, a.draft, target_backend=a.target) else 1,
-                   (CheckpointError, ConfigError, ValueError), "verify_weights", internal="")
-
-if __name__ == "__main__":
+if __name__ == "__main__":       # python -m spel_mlx.verify_weights: the verify-weights command
+    from .cli.verify_weights import main
     sys.exit(main())

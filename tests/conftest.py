@@ -24,7 +24,7 @@ def shipped_c_run():
     """(checkpoint, model, prompt, its 60-token AR output): the shipped model for tests of
     the C draft's proposers (skipped when the C draft is not built)."""
     import numpy as np
-    from spel_mlx.checkpoints import load_checkpoint
+    from spel_mlx.reader import load_checkpoint
     from spel_mlx.decoding import SpeculativeDecoder
     from spel_mlx.model import SpelModel
     from spel_mlx.native import clib

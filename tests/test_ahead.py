@@ -3,7 +3,7 @@ import pytest
 
 import spel_mlx  # noqa: F401
 
-from spel_mlx.decoding import SpeculativeDecoder, make_proposer
+from spel_mlx.decoding import SpeculativeDecoder, DecodeOptions, make_proposer, DraftOptions
 from spel_mlx.decoding.ahead import AheadConfig, AheadPolicy, spare_core
 from spel_mlx.decoding.governor import GovernorConfig
 
@@ -68,9 +68,9 @@ def test_policy_off_drafts_plainly_with_the_same_output(shipped_c_run):
     """The ahead proposer under a policy that never drafts ahead: no continuation, the
     output still the ar output, then drafting ahead again once it is tried."""
     ck, model, prompt, ref = shipped_c_run
-    draft = make_proposer("c", model, ck.weights, k=4, threads=1, ahead="auto")
+    draft = make_proposer("c", model, ck.weights, k=4, options=DraftOptions(threads=1, ahead="auto"))
     draft.policy = AheadPolicy(AheadConfig(first_retry=10**9), start_ahead=False)
-    dec = SpeculativeDecoder(model, draft, "spec", k=4, governor=GovernorConfig(policy="off"))
+    dec = SpeculativeDecoder(model, draft, "spec", k=4, options=DecodeOptions(governor=GovernorConfig(policy="off")))
     assert dec.generate(prompt, 60) == ref
     assert dec.stats.extra["ahead_hits"] == 0
     # tried after 3 plain rounds and then kept (min_rounds: no timed switch-off, which

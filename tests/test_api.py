@@ -30,8 +30,13 @@ def test_import_is_cheap_and_exports_lazily():
     code = ("import sys, spel_mlx; assert 'spel_mlx.api' not in sys.modules and 'mlx.core' not in sys.modules; "
             "assert spel_mlx.generate.__module__ == 'spel_mlx.api.generation'; "
             "assert set(spel_mlx.__all__) >= {'load', 'generate', 'stream_generate'}; "
-            "import importlib; cli = importlib.import_module('spel_mlx.generate'); "
-            "assert callable(cli.main) and spel_mlx.generate.__module__ == 'spel_mlx.api.generation'; print('ok')")
+            "import importlib; cli = importlib.import_module('spel_mlx.cli.generate'); "
+            "assert callable(cli.main) and spel_mlx.generate.__module__ == 'spel_mlx.api.generation'; "
+            "from spel_mlx import generate; assert generate is spel_mlx.generate\n"
+            "try: importlib.import_module('spel_mlx.generate')\n"
+            "except ImportError as e: assert 'API function' in str(e)\n"
+            "else: raise AssertionError('imported the command shim')\n"
+            "assert spel_mlx.generate.__module__ == 'spel_mlx.api.generation'; print('ok')")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.stdout.strip() == "ok", out.stderr
     with pytest.raises(AttributeError):

@@ -312,7 +312,8 @@ def tiny_model():
 def test_calibrate_placement_ranks_by_the_cost_model(tiny_model):
     from spel_mlx.decoding import placement
     model, weights = tiny_model
-    ranked = placement.calibrate_placement(model, weights, k=4, threads=[1, 2], alpha=0.5, reps=3)
+    ranked = placement.calibrate_placement(model, weights, k=4,
+                                           how=placement.Calibration(threads=[1, 2], alpha=0.5, reps=3))
     avail = [p for p in ranked if p.available]
     names = [p.name for p in ranked]
     assert len(names) == len(set(names))
@@ -334,27 +335,27 @@ def test_calibrate_placement_ranks_by_the_cost_model(tiny_model):
         assert {p.draft for p in avail} == {"c", "mlx"}
     d = avail[0].to_dict()
     assert d["name"] == avail[0].name and "c" in d and "v" in d
-    assert placement.choose_placement(model, weights, k=4, threads=[1], reps=2).available
+    assert placement.choose_placement(model, weights, k=4, how=placement.Calibration(threads=[1], reps=2)).available
     assert "rank" in placement.format_ranking(ranked)
 
 
 def test_calibrate_placement_without_weights_and_bad_requests(tiny_model):
     from spel_mlx.decoding import placement
     model, _ = tiny_model
-    ranked = placement.calibrate_placement(model, None, k=2, threads=[1], reps=2)
+    ranked = placement.calibrate_placement(model, None, k=2, how=placement.Calibration(threads=[1], reps=2))
     c_rows = [p for p in ranked if p.draft == "c" and p.target_device == "cpu"]
     assert c_rows and all(not p.available and "no weights" in p.reason for p in c_rows)
     with pytest.raises(placement.PlacementError, match="K=0"):
         placement.calibrate_placement(model, None, k=0)
     with pytest.raises(placement.PlacementError, match="threads 7"):
-        placement.calibrate_placement(model, None, threads=[7])
+        placement.calibrate_placement(model, None, how=placement.Calibration(threads=[7]))
 
 
 def test_apply_placement_returns_a_working_draft(tiny_model):
     from spel_mlx.decoding import placement
     from spel_mlx.decoding import SpeculativeDecoder
     model, weights = tiny_model
-    best = placement.choose_placement(model, weights, k=2, threads=[1], reps=2)
+    best = placement.choose_placement(model, weights, k=2, how=placement.Calibration(threads=[1], reps=2))
     engine = placement.apply_placement(best, model, weights)
     try:
         dec = SpeculativeDecoder(model, engine, mode="spec", k=2)

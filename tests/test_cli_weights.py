@@ -32,7 +32,7 @@ class Result:
 def call(capsys, monkeypatch):
     """Run a CLI's main() in-process (same code path as -m, without a new
     interpreter: the 2-core test machine is shared)."""
-    from spel_mlx import convert, synth, verify_weights
+    from spel_mlx.cli import convert, synth, verify_weights
     mains = {"spel_mlx.synth": synth.main, "spel_mlx.verify_weights": verify_weights.main,
              "spel_mlx.convert": convert.main}
 
@@ -204,18 +204,19 @@ def test_c_draft_matches_numpy_fakequant(synth_file):
 def test_default_checkpoint_message(monkeypatch, tmp_path):
     from spel_mlx.checkpoints import CheckpointError
     from spel_mlx.checkpoints import load as checkpoint
+    from spel_mlx.reader import load_checkpoint
     monkeypatch.setattr(checkpoint, "DEFAULT_DIR", tmp_path / "default")
     monkeypatch.delenv("SPEL_WEIGHTS", raising=False)
     with pytest.raises(CheckpointError, match="no trained checkpoint is installed.*spel_mlx.convert"):
-        checkpoint.load_checkpoint()
+        load_checkpoint()
     monkeypatch.setenv("SPEL_WEIGHTS", str(tmp_path / "w.spelw"))
     with pytest.raises(CheckpointError, match="w.spelw: no such file"):
-        checkpoint.load_checkpoint()
+        load_checkpoint()
 
 
 def test_unexpected_exception_is_one_line_exit_3(monkeypatch, capsys, tmp_path):
-    import spel_mlx.convert as conv
-    import spel_mlx.verify_weights as vw
+    import spel_mlx.cli.convert as conv
+    import spel_mlx.cli.verify_weights as vw
 
     def boom(*a, **k):
         raise RuntimeError("first line\nsecond line")

@@ -10,7 +10,7 @@ from safetensors.numpy import load_file, save_file
 
 import spel_mlx  # noqa: F401
 from spel_mlx import converters
-from spel_mlx.checkpoints import load_checkpoint
+from spel_mlx.reader import load_checkpoint
 from spel_mlx.converters import (CONFIG_FILE, MODEL_FILE, SafetensorsModel, safetensors_to_spelw,
                                  spelw_to_safetensors)
 from spel_mlx.converters import safetensors_io

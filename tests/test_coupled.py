@@ -75,8 +75,8 @@ def test_c_rows_equal_the_numpy_reference():
         logits, seq, params = _random_case(rng, V)
         n_ctx = len(seq) - 4
         seed, index0 = int(rng.integers(0, 2 ** 63)), int(rng.integers(0, 5000))
-        toks, probs = smp.sample_rows(logits, seq, n_ctx, index0, params, seed, want_probs=True)
-        rtoks, rprobs = smp.sample_rows_reference(logits, seq, n_ctx, index0, params, seed, want_probs=True)
+        toks, probs = smp.sample_rows(logits, seq, n_ctx, params, (seed, index0), want_probs=True)
+        rtoks, rprobs = smp.sample_rows_reference(logits, seq, n_ctx, params, (seed, index0), want_probs=True)
         assert toks == rtoks, (trial, params)
         assert np.array_equal(probs > 0, rprobs > 0) and np.abs(probs - rprobs).max() < 1e-13, (trial, params)
         assert all(probs[j, t] > 0 for j, t in enumerate(toks))
@@ -92,18 +92,18 @@ def test_gumbel_choice_is_an_exact_sample():
     p = smp.probabilities(logits[0], hist, params)
     counts = np.zeros(V)
     for i in range(N):
-        (t,), _ = smp.sample_rows(logits, hist, len(hist), i, params, seed=11)
+        (t,), _ = smp.sample_rows(logits, hist, len(hist), params, (11, i))
         counts[t] += 1
     stat, df = chi2_stat(counts, p)
     assert stat < chi2_critical(df)
-    shared = {smp.sample_rows(logits, hist, len(hist), 0, params, seed=11)[0][0] for _ in range(50)}
+    shared = {smp.sample_rows(logits, hist, len(hist), params, (11, 0))[0][0] for _ in range(50)}
     assert len(shared) == 1
 
 
 def test_non_finite_rows_are_an_error():
     logits = np.full((1, 5), np.nan, np.float32)
     with pytest.raises(ValueError, match="no finite"):
-        smp.sample_rows(logits, [1], 1, 0, smp.SamplingParams(temperature=0.7), seed=1)
+        smp.sample_rows(logits, [1], 1, smp.SamplingParams(temperature=0.7), (1, 0))
 
 
 # --- the C draft's own sampled proposals -------------------------------------------
@@ -158,7 +158,7 @@ def test_c_draft_samples_its_proposals_like_sample_rows(tiny_draft, params):
     d.commit(len(history))
     logits = d.forward(batch)
     ctx = (history[-W:] if W else []) + batch
-    want, probs = smp.sample_rows(logits, ctx, len(ctx) - len(batch) + 1, len(history) + 1, params, seed,
+    want, probs = smp.sample_rows(logits, ctx, len(ctx) - len(batch) + 1, params, (seed, len(history) + 1),
                                   want_probs=True)
     assert toks + more == want
     for j, q in enumerate(qs):

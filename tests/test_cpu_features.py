@@ -8,7 +8,7 @@ import sys
 import pytest
 
 import spel_mlx  # noqa: F401
-from spel_mlx.cpu_features import simd_cap
+from spel_mlx.platform.cpu_features import simd_cap
 
 PROBE = r"""
 import json, spel_mlx
@@ -67,7 +67,7 @@ print(json.dumps({"state": cpu_ops._spel_cpu.helper_state(), "items": cpu_ops._s
 def test_attention_helper_switch(monkeypatch):
     """SPEL_ATTENTION_HELPER=0 keeps attention on one thread; a long prompt decodes to the
     same text either way, and by default the helper thread did take key chunks (2+ CPUs)."""
-    from spel_mlx.cpu_features import attention_helper
+    from spel_mlx.platform.cpu_features import attention_helper
     from spel_mlx.model import cpu_ops
     monkeypatch.setenv("SPEL_ATTENTION_HELPER", "maybe")
     with pytest.raises(ValueError, match="SPEL_ATTENTION_HELPER='maybe'"):

@@ -13,7 +13,7 @@ from spel_mlx.model import MLXOps, SpelModel, cpu_ops, init_weights, l2_normaliz
 from spel_mlx.model.delta_rule import delta_rule_recurrent
 from spel_mlx.model.linear import row_block
 
-from reference import forward_reference
+from spel_mlx.reference import forward_reference
 
 if os.environ.get("SPEL_REQUIRE_CPU_EXT") != "1" and not cpu_ops.available():
     pytest.skip("spel_mlx._spel_cpu not built: " + cpu_ops.status()[1], allow_module_level=True)

@@ -4,7 +4,6 @@ the default is the CPU here, and a CUDA GPU gets the plain MLX ops (neither the
 Metal kernels nor the fused CPU primitives).  Also: the GPU form of the chunked delta
 rule's triangular inverse, the C draft from MLX arrays, the engine's device scope."""
 import contextlib
-import importlib
 import importlib.metadata as metadata
 import io
 
@@ -19,7 +18,7 @@ from spel_mlx.model import MLXOps, SpelModel, backends, cpu_ops, init_weights
 from spel_mlx.model.delta_rule import chunk_gates, unit_lower_inv_blocked
 from spel_mlx.metal import executors
 
-gen = importlib.import_module("spel_mlx.generate")
+from spel_mlx.cli import generate as gen  # noqa: E402
 TINY = "d_model=32,n_layers=4,n_heads=2,head_dim=16,d_ff=64,vocab=128,max_seq=96,draft_map=0:3"
 
 

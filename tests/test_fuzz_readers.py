@@ -164,7 +164,8 @@ def run(workdir: Path, seed: int, budget_s: float) -> dict:
     import numpy as np
 
     import spel_mlx  # noqa: F401
-    from spel_mlx.checkpoints import CheckpointError, Golden, load_checkpoint, write_spelw
+    from spel_mlx.checkpoints import CheckpointError, Golden, write_spelw
+    from spel_mlx.reader import load_checkpoint
     from spel_mlx.checkpoints.footer import footer_nbytes
     from spel_mlx.config import ModelConfig
     from spel_mlx.converters import CONFIG_FILE, MODEL_FILE, spelw_to_safetensors

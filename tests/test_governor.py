@@ -4,7 +4,7 @@ import pytest
 
 import spel_mlx  # noqa: F401
 
-from spel_mlx.decoding import GovernorConfig, SpeculativeDecoder, make_proposer
+from spel_mlx.decoding import GovernorConfig, SpeculativeDecoder, make_proposer, DraftOptions
 from spel_mlx.decoding import governor as gv
 from spel_mlx.decoding import loop
 from spel_mlx.decoding import sampling as smp
@@ -277,6 +277,9 @@ class ScriptedGovernor:
     def round(self, accepted, proposed, seconds, timed=True):
         self.i += 1
 
+    def ar_rounds_due(self):     # the governor protocol: no AR stretches of its own
+        return 0
+
     def stats(self):
         return {"governor": self.policy}
 
@@ -329,7 +332,7 @@ def test_any_drafting_pattern_keeps_coupled_sampling_equal_to_sampled_ar(scripte
 def test_drafting_ahead_under_suspensions_equals_ar(scripted, pattern, shipped_c_run):
     """A continuation kept by an all-accepted round, then AR rounds: the catch-up drops it."""
     ck, model, prompt, ref = shipped_c_run
-    draft = make_proposer("c", model, ck.weights, k=4, threads=1, ahead=True)
+    draft = make_proposer("c", model, ck.weights, k=4, options=DraftOptions(threads=1, ahead=True))
     scripted(pattern)
     dec = SpeculativeDecoder(model, draft, "spec", k=4)
     assert dec.generate(prompt, 60) == ref

@@ -1,4 +1,4 @@
-"""spel_mlx.heap: after `import spel_mlx` freed buffers stay mapped (glibc on Linux), so a
+"""spel_mlx.platform.heap: after `import spel_mlx` freed buffers stay mapped (glibc on Linux), so a
 pass that frees and takes again the same megabytes faults no pages in; switched off, the
 same pattern faults them in every time (the negative control)."""
 import os
@@ -8,7 +8,7 @@ import sys
 import pytest
 
 import spel_mlx  # noqa: F401
-from spel_mlx import heap
+from spel_mlx.platform import heap
 
 GLIBC = sys.platform.startswith("linux") and os.confstr("CS_GNU_LIBC_VERSION") is not None
 
@@ -19,7 +19,7 @@ GLIBC = sys.platform.startswith("linux") and os.confstr("CS_GNU_LIBC_VERSION") i
 CHILD = r"""
 import ctypes, resource, sys
 import spel_mlx
-from spel_mlx import heap
+from spel_mlx.platform import heap
 libc = ctypes.CDLL(None)
 libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t]
 libc.free.argtypes = [ctypes.c_void_p]
@@ -67,7 +67,11 @@ def test_state_in_this_process():
 
 
 def test_a_bad_switch_is_an_error_naming_it():
+    """Read at import: the API's first use raises it, a command says it in one line."""
     env = dict(os.environ, SPEL_HEAP_TUNING="maybe")
-    out = subprocess.run([sys.executable, "-c", "import spel_mlx"], env=env, capture_output=True, text=True,
+    out = subprocess.run([sys.executable, "-c", "import spel_mlx; spel_mlx.load"], env=env, capture_output=True,
+                         text=True, timeout=60)
+    assert out.returncode != 0 and "SettingError: SPEL_HEAP_TUNING='maybe': expected 0 or 1" in out.stderr
+    out = subprocess.run([sys.executable, "-m", "spel_mlx", "info"], env=env, capture_output=True, text=True,
                          timeout=60)
-    assert out.returncode != 0 and "SPEL_HEAP_TUNING='maybe': expected 0 or 1" in out.stderr
+    assert out.returncode == 2 and out.stderr == "error: SPEL_HEAP_TUNING='maybe': expected 0 or 1\n"

@@ -14,15 +14,16 @@ import numpy as np
 import pytest
 
 import spel_mlx  # noqa: F401  (the BLAS first)
-from spel_mlx import convert, verify_weights
-from spel_mlx.checkpoints import CheckpointError, NonFiniteWeightsWarning, load_checkpoint, read_spelw, write_spelw
+from spel_mlx.cli import convert, verify_weights
+from spel_mlx.checkpoints import CheckpointError, NonFiniteWeightsWarning, read_spelw, write_spelw
+from spel_mlx.reader import load_checkpoint
 from spel_mlx.checkpoints.files import AtomicFile
 from spel_mlx.checkpoints.rules import config_from_fields
 from spel_mlx.checkpoints.spelw import HEADER_SIZE, header_bytes, parse_header
 from spel_mlx.config import LIMITS, ConfigError, ModelConfig
 from spel_mlx.converters import CONFIG_FILE, MODEL_FILE, spelw_to_safetensors
 from spel_mlx.converters.spelw_safetensors import config_json
-from spel_mlx.state import DecodeState
+from spel_mlx.model.state import DecodeState
 from spel_mlx.synth import write_synth
 
 TINY = ModelConfig(d_model=64, n_layers=4, n_heads=2, head_dim=16, d_ff=128, max_seq=64, draft_map=(0, 3))
@@ -127,7 +128,7 @@ def test_1_max_seq_claim_allocates_nothing_up_front(tmp_path):
 def test_2_layer_count_from_config_json_is_capped(folder, tmp_path):
     """Finding 2: n_layers 2^31 or 2^63 in config.json spun building tensor specs until
     MemoryError; every field is now bounded by config.LIMITS in both readers."""
-    script = ("import sys; from spel_mlx.checkpoints import load_checkpoint, CheckpointError\n"
+    script = ("import sys; from spel_mlx.reader import load_checkpoint; from spel_mlx.checkpoints import CheckpointError\n"
               "try:\n    load_checkpoint(sys.argv[1])\nexcept CheckpointError as e:\n    print(e)\n")
     for n in (2 ** 31, 2 ** 63):
         rewrite_config(folder, n_layers=n)

@@ -1,4 +1,4 @@
-"""spel_mlx.huge_pages: the memory under the arrays a step streams is mapped with 2 MB
+"""spel_mlx.platform.huge_pages: the memory under the arrays a step streams is mapped with 2 MB
 pages where the kernel can, without changing an address or a bit."""
 import json
 import subprocess
@@ -9,7 +9,7 @@ import pytest
 
 import spel_mlx  # noqa: F401
 import mlx.core as mx
-from spel_mlx import huge_pages
+from spel_mlx.platform import huge_pages
 
 
 def huge_kb_at(address: int) -> int:

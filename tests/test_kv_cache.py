@@ -9,7 +9,7 @@ import spel_mlx
 import mlx.core as mx
 from spel_mlx.api import LoadError, load
 from spel_mlx.decoding import SpeculativeDecoder
-from spel_mlx.state import DecodeState, StateError
+from spel_mlx.model.state import DecodeState, StateError
 
 # ~700 tokens: past one 512-key chunk of the CPU attention (docs/model.md)
 PROMPT = ("It is a truth universally acknowledged, that a single man in possession of a good fortune, "

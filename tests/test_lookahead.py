@@ -8,7 +8,7 @@ import pytest
 import spel_mlx  # noqa: F401
 import mlx.core as mx
 from spel_mlx.config import ModelConfig
-from spel_mlx.decoding.loop import SpeculativeDecoder
+from spel_mlx.decoding.loop import SpeculativeDecoder, DecodeOptions
 from spel_mlx.decoding.sampling import SamplingParams
 from spel_mlx.model import SpelModel, init_weights
 
@@ -31,7 +31,7 @@ PARAMS = {"greedy": SamplingParams(), "sampled": SAMPLED, "penalized": PENALIZED
 
 
 def decode(model, lookahead, p, n, strict=False, stop=(), rounds=None, params=SamplingParams()):
-    dec = SpeculativeDecoder(model, None, "ar", strict=strict, params=params)
+    dec = SpeculativeDecoder(model, None, "ar", params=params, options=DecodeOptions(strict=strict))
     dec.lookahead = lookahead
     out = dec.generate(p, n, stop_tokens=stop, on_round=None if rounds is None else rounds.append)
     st = dec.target.state
@@ -228,7 +228,7 @@ def test_greedy_spec_builds_its_next_verification_ahead(shipped, monkeypatch):
     draft and `auto`; built passes are used, dropped before they ran (a rejection) and
     after (the call's end, auto's n-gram taking over), and nothing stays pending.  Every
     round drafts (the cost governor's timed suspensions would decide the counts)."""
-    from spel_mlx.decoding import GovernorConfig, make_proposer
+    from spel_mlx.decoding import GovernorConfig, make_proposer, DraftOptions
     from spel_mlx.decoding.target import TargetRunner
     loaded, tok = shipped
     model = loaded.model
@@ -246,8 +246,8 @@ def test_greedy_spec_builds_its_next_verification_ahead(shipped, monkeypatch):
         decs = {}
         for lookahead in (True, False):
             decs[lookahead] = SpeculativeDecoder(
-                model, make_proposer(kind, model, weights=loaded.weights, k=4, threads=1, ahead=True), "spec",
-                governor=GovernorConfig(policy="off"))
+                model, make_proposer(kind, model, weights=loaded.weights, k=4, options=DraftOptions(threads=1, ahead=True)),
+                "spec", options=DecodeOptions(governor=GovernorConfig(policy="off")))
             decs[lookahead].lookahead = lookahead
         for text in TEXTS:
             p = tok.encode(text)
@@ -270,13 +270,14 @@ def test_greedy_spec_building_ahead_keeps_the_caches_in_place(shipped, monkeypat
     nothing else of its caches, so MLX still updates them in place: the peak memory of a
     call grows by less than one cache copy (4 MB at 4,096 rows) over the same call
     verifying one round at a time."""
-    from spel_mlx.decoding import make_proposer
+    from spel_mlx.decoding import make_proposer, DraftOptions
     loaded, tok = shipped
     model = loaded.model
     monkeypatch.setattr(SpeculativeDecoder, "_peek_timeout", lambda self, started: 10.0)
     from spel_mlx.decoding import GovernorConfig
-    dec = SpeculativeDecoder(model, make_proposer("c", model, weights=loaded.weights, k=4, threads=1, ahead=True),
-                             "spec", governor=GovernorConfig(policy="off"))
+    dec = SpeculativeDecoder(model, make_proposer("c", model, weights=loaded.weights, k=4,
+                                                  options=DraftOptions(threads=1, ahead=True)),
+                             "spec", options=DecodeOptions(governor=GovernorConfig(policy="off")))
     p = tok.encode(TEXTS[0])
     dec.generate(p, 80)
     dec.target.state.reserve(model.cfg.max_seq)       # kept by the next calls' reset
@@ -300,7 +301,7 @@ def test_sampled_spec_builds_ahead_with_the_same_tokens(shipped, monkeypatch, ac
     round at a time (both rules: their draws are indexed by position, not by round).
     Every round drafts (the coupled rule's cost governor would suspend drafting by the
     machine's timing, and with it the count of passes built ahead)."""
-    from spel_mlx.decoding import GovernorConfig, make_proposer
+    from spel_mlx.decoding import GovernorConfig, make_proposer, DraftOptions
     from spel_mlx.decoding.sampling import SamplingParams
     loaded, tok = shipped
     model = loaded.model
@@ -310,9 +311,9 @@ def test_sampled_spec_builds_ahead_with_the_same_tokens(shipped, monkeypatch, ac
         params = SamplingParams(temperature=0.7, top_p=0.95, repetition_penalty=1.1, seed=seed, accept=accept)
         outs = {}
         for lookahead in (True, False):
-            dec = SpeculativeDecoder(model, make_proposer("c", model, weights=loaded.weights, k=4, threads=1,
-                                                          ahead=True), "spec", params=params,
-                                     governor=GovernorConfig(policy="off"))
+            draft = make_proposer("c", model, weights=loaded.weights, k=4, options=DraftOptions(threads=1, ahead=True))
+            dec = SpeculativeDecoder(model, draft, "spec", params=params,
+                                     options=DecodeOptions(governor=GovernorConfig(policy="off")))
             dec.lookahead = lookahead
             outs[lookahead] = [dec.generate(tok.encode(text), 60) for text in TEXTS[:2]]
             used += dec.stats.extra.get("built_ahead", 0) if lookahead else 0
@@ -330,7 +331,7 @@ def test_the_c_draft_follows_the_governors_ar_rounds(monkeypatch, params):
     draft that does not follow is behind by a whole back-off).  The text is ar's (the
     coupled rule when sampling), and nothing is left running at the end of a call."""
     from spel_mlx.decoding import loop
-    from spel_mlx.decoding.factory import make_proposer
+    from spel_mlx.decoding.factory import make_proposer, DraftOptions
     from spel_mlx.native import clib
     if not clib.available():
         pytest.skip("C draft unavailable")
@@ -351,7 +352,7 @@ def test_the_c_draft_follows_the_governors_ar_rounds(monkeypatch, params):
     for follow in (16, 10 ** 9):
         monkeypatch.setattr(loop, "FOLLOW_EVERY", follow)
         behind.clear()
-        draft = make_proposer("c", model, init_weights(cfg, seed=12), k=4, threads=1, ahead=True)
+        draft = make_proposer("c", model, init_weights(cfg, seed=12), k=4, options=DraftOptions(threads=1, ahead=True))
         dec = SpeculativeDecoder(model, draft, "spec", k=4, params=params)
         assert dec.generate(p, 300) == ref
         assert dec.stats.governor_trips >= 1 and behind and not draft._prefilling

@@ -9,7 +9,7 @@ from spel_mlx import layout
 from spel_mlx.config import PRESETS, ModelConfig
 from spel_mlx.model import SpelModel, init_weights
 
-from reference import forward_reference
+from spel_mlx.reference import forward_reference
 
 # both layer types in target (3 GDN + 1 attention per period) and in the draft
 SMALL = ModelConfig(d_model=64, n_layers=6, n_heads=2, head_dim=32, d_ff=96, vocab=64,
@@ -268,7 +268,7 @@ def test_init_weights_deterministic_and_complete():
 
 
 def test_info_cli(capsys):
-    from spel_mlx import info
+    from spel_mlx.cli import info
     assert info.main(["--preset", "21m"]) == 0
     out = capsys.readouterr().out
     assert "params target:  21,352,044" in out and "params draft:   7,084,452" in out

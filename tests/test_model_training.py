@@ -64,7 +64,7 @@ def test_chunked_delta_rule_gradients_match_recurrence():
 
 
 def test_training_forward_matches_reference_and_decoding():
-    from reference import forward_reference
+    from spel_mlx.reference import forward_reference
     params = init_params(TINY, seed=5)
     w = {n: np.array(a) for n, a in params.items()}
     toks = np.random.default_rng(2).integers(0, TINY.vocab, 40)

@@ -17,7 +17,9 @@ from spel_mlx.config import ModelConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 NEON = ROOT / "neon"
-SOURCES = [NEON / "tests" / "selftest.c"] + [NEON / f for f in ("quant.c", "kernels.c", "pool.c", "draft.c", "sampling.c")]
+# the engine's sources as neon/build_ffi.py lists them: every .c under neon/ but tests/
+ENGINE = sorted(p for p in NEON.rglob("*.c") if "tests" not in p.relative_to(NEON).parts)
+SOURCES = [NEON / "tests" / "selftest.c"] + ENGINE
 CC = "aarch64-linux-gnu-gcc"
 QEMU = "qemu-aarch64"
 KERNEL_IDS = {"scalar": 0, "dotprod": 2, "addsub": 3}

@@ -16,7 +16,9 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 NEON = ROOT / "neon"
-SOURCES = [NEON / "tests" / "stress.c"] + [NEON / f for f in ("quant.c", "kernels.c", "pool.c", "draft.c", "sampling.c")]
+# the engine's sources as neon/build_ffi.py lists them: every .c under neon/ but tests/
+ENGINE = sorted(p for p in NEON.rglob("*.c") if "tests" not in p.relative_to(NEON).parts)
+SOURCES = [NEON / "tests" / "stress.c"] + ENGINE
 FLAGS = ["-O1", "-g", "-std=gnu11", "-ffp-contract=off", "-fno-math-errno", "-pthread", "-fno-omit-frame-pointer",
          "-fsanitize=address,undefined,float-cast-overflow", "-fno-sanitize-recover=all"]
 ENV = dict(os.environ, ASAN_OPTIONS="detect_leaks=1:abort_on_error=0", UBSAN_OPTIONS="print_stacktrace=1")

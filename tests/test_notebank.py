@@ -7,7 +7,7 @@ import pytest
 
 import spel_mlx  # noqa: F401  (BLAS before mlx)
 from spel_mlx import notebank as nb
-from spel_mlx.notebank.cli import main
+from spel_mlx.cli.notebank import main
 from spel_mlx.config import PRESETS, ModelConfig
 
 
@@ -357,9 +357,9 @@ def test_notebank_to_spec_keeps_greedy_fidelity(toy):
     bank.write(st, ctx)
     top = bank.retrieve(st, needles[0].query).top
     prompt = ctx + [t for n in bank.replay_order(top) for t in bank.span_tokens(n)] + needles[0].query
-    ar = spec.SpeculativeDecoder(model, None, mode="ar", k=4, strict=True).generate(prompt, 12)
+    ar = spec.SpeculativeDecoder(model, None, mode="ar", k=4, options=spec.DecodeOptions(strict=True)).generate(prompt, 12)
     sd = spec.SpeculativeDecoder(model, MLXProposer(model, "draft", ring=5, strict=True),
-                                 mode="spec", k=4, strict=True)
+                                 mode="spec", k=4, options=spec.DecodeOptions(strict=True))
     try:
         out = sd.generate(prompt, 12)
     finally:

@@ -10,7 +10,7 @@ import spel_mlx  # noqa: F401  (BLAS before mlx)
 import mlx.core as mx
 from spel_mlx.config import ModelConfig
 from spel_mlx.model import SpelModel, cpu_ops, init_weights
-from spel_mlx.state import _Row
+from spel_mlx.model.state import _Row
 
 if os.environ.get("SPEL_REQUIRE_CPU_EXT") != "1" and not cpu_ops.available():
     pytest.skip("spel_mlx._spel_cpu not built: " + cpu_ops.status()[1], allow_module_level=True)

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import spel_mlx  # noqa: F401
-from spel_mlx.decoding import GovernorConfig, SpeculativeDecoder, make_proposer
+from spel_mlx.decoding import GovernorConfig, SpeculativeDecoder, DecodeOptions, make_proposer, DraftOptions
 from spel_mlx.decoding import sampling as smp
 from spel_mlx.decoding.c_proposer import CDraftAheadProposer
 from spel_mlx.decoding.mlx_proposer import MLXProposer
@@ -88,7 +88,7 @@ def toy_decoder(accept: str, proposer=MLXProposer, draft_noise=0.7, **kw):
     model = ToyModel(V=5, draft_noise=draft_noise, seed=8, sharp=1.0)
     params = smp.SamplingParams(**{**PARAMS.__dict__, "accept": accept})
     draft = proposer(model, "draft", ring=5) if proposer is MLXProposer else proposer(model, ring=6, **kw)
-    return model, SpeculativeDecoder(model, draft, "spec", k=4, params=params, governor=RAW)
+    return model, SpeculativeDecoder(model, draft, "spec", k=4, params=params, options=DecodeOptions(governor=RAW))
 
 
 @pytest.mark.parametrize("accept,proposer,noise", [("coupled", MLXProposer, 0.7), ("residual", MLXProposer, 0.7),
@@ -106,8 +106,8 @@ def test_a_misreported_guess_distribution_fails_the_same_test():
 
 
 def _accept_always(real):
-    def rows(rows, seq, n_ctx, index0, params, seed, want_probs=False):
-        toks, probs = real(rows, seq, n_ctx, index0, params, seed, want_probs)
+    def rows(rows, seq, n_ctx, params, noise_at, want_probs=False):
+        toks, probs = real(rows, seq, n_ctx, params, noise_at, want_probs)
         if len(rows) > 1:                   # the target's rows: every proposal is "its" token
             toks[:len(rows) - 1] = seq[n_ctx:n_ctx + len(rows) - 1]
         return toks, probs
@@ -115,8 +115,8 @@ def _accept_always(real):
 
 
 def _one_noise_for_all_positions(real):
-    def rows(rows, seq, n_ctx, index0, params, seed, want_probs=False):
-        out = [real(rows[j:j + 1], seq, n_ctx + j, 0, params, seed, want_probs) for j in range(len(rows))]
+    def rows(rows, seq, n_ctx, params, noise_at, want_probs=False):
+        out = [real(rows[j:j + 1], seq, n_ctx + j, params, (noise_at[0], 0), want_probs) for j in range(len(rows))]
         return [t for o in out for t in o[0]], (np.concatenate([o[1] for o in out]) if want_probs else None)
     return rows
 
@@ -157,7 +157,7 @@ def test_toy_coupled_spec_equals_sampled_ar(K):
         prompt = rng.integers(0, 12, int(rng.integers(1, 9))).tolist()
         ref = SpeculativeDecoder(model, None, "ar", params=params).generate(prompt, 30)
         dec = SpeculativeDecoder(model, MLXProposer(model, "draft", ring=K + 1), "spec", k=K, params=params,
-                                 governor=RAW)
+                                 options=DecodeOptions(governor=RAW))
         assert dec.generate(prompt, 30) == ref, (K, i)
         accepted += dec.stats.accepted
     assert accepted > 0
@@ -176,13 +176,15 @@ def test_real_coupled_spec_equals_sampled_ar(tiny, ahead):  # noqa: F811
     _cdraft_or_skip()
     hits = 0
     for K in (1, 2, 4):
-        draft = make_proposer("c", tiny.model, tiny.w, k=K, threads=1, ahead=ahead)
+        draft = make_proposer("c", tiny.model, tiny.w, k=K, options=DraftOptions(threads=1, ahead=ahead))
         assert isinstance(draft, CDraftAheadProposer) == ahead
         for i, prompt in enumerate(tiny.prompts):
             params = _with_seed(CASES[(i + K) % len(CASES)], 7 * i + K)
             strict = i % 2 == 0
-            ref = SpeculativeDecoder(tiny.model, None, "ar", params=params, strict=strict).generate(prompt, N_REAL)
-            dec = SpeculativeDecoder(tiny.model, draft, "spec", k=K, params=params, strict=strict, governor=RAW)
+            ref = SpeculativeDecoder(tiny.model, None, "ar", params=params,
+                                     options=DecodeOptions(strict=strict)).generate(prompt, N_REAL)
+            dec = SpeculativeDecoder(tiny.model, draft, "spec", k=K, params=params,
+                                     options=DecodeOptions(strict=strict, governor=RAW))
             assert dec.generate(prompt, N_REAL) == ref, (K, i, ahead)
             hits += dec.stats.extra.get("ahead_hits", 0)
             stop = ref[N_REAL // 2]
@@ -191,8 +193,10 @@ def test_real_coupled_spec_equals_sampled_ar(tiny, ahead):  # noqa: F811
         for plen in (50, 63):
             prompt = (tiny.prompts[-1] * 3)[:plen]
             params = _with_seed(CASES[0], plen)
-            ref = SpeculativeDecoder(tiny.model, None, "ar", params=params, strict=True).generate(prompt, 100)
-            dec = SpeculativeDecoder(tiny.model, draft, "spec", k=K, params=params, strict=True, governor=RAW)
+            ref = SpeculativeDecoder(tiny.model, None, "ar", params=params,
+                                     options=DecodeOptions(strict=True)).generate(prompt, 100)
+            dec = SpeculativeDecoder(tiny.model, draft, "spec", k=K, params=params,
+                                     options=DecodeOptions(strict=True, governor=RAW))
             assert dec.generate(prompt, 100) == ref and dec.stats.stop_reason == "max_seq"
         draft.close()
     assert hits > 0 or not ahead
@@ -203,16 +207,16 @@ def test_shipped_model_sampled_defaults():
     sampled ar and uses drafted-ahead proposals; the residual rule is reproducible for a
     seed and uses them too."""
     _cdraft_or_skip()
-    from spel_mlx.checkpoints import load_checkpoint
+    from spel_mlx.reader import load_checkpoint
     from spel_mlx.model import SpelModel
     ck = load_checkpoint()
     model = SpelModel.from_weights(ck.cfg, ck.weights)
     prompt = [int(t) for t in np.arange(40) * 37 % ck.cfg.vocab]
-    draft = make_proposer("c", model, ck.weights, k=4, threads=1, ahead=True)
+    draft = make_proposer("c", model, ck.weights, k=4, options=DraftOptions(threads=1, ahead=True))
     for accept in smp.ACCEPT_RULES:
         params = smp.SamplingParams(temperature=0.7, top_p=0.95, repetition_penalty=1.1, seed=3, accept=accept)
         ref = SpeculativeDecoder(model, None, "ar", params=params).generate(prompt, 80)
-        dec = SpeculativeDecoder(model, draft, "spec", k=4, params=params, governor=RAW)
+        dec = SpeculativeDecoder(model, draft, "spec", k=4, params=params, options=DecodeOptions(governor=RAW))
         out = dec.generate(prompt, 80)
         assert dec.stats.extra["ahead_hits"] > 0 and dec.stats.alpha > 0.3
         if accept == "coupled":

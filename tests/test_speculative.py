@@ -14,7 +14,7 @@ import spel_mlx  # noqa: F401
 import mlx.core as mx
 
 from spel_mlx.decoding import (DecodeError, Governor, GovernorConfig, RoundResult, SpeculativeDecoder,
-                               make_proposer)
+                               make_proposer, DecodeOptions, DraftOptions)
 from spel_mlx.decoding import sampling as smp
 from spel_mlx.decoding.auto import AutoProposer
 from spel_mlx.decoding.c_proposer import CDraftAheadProposer
@@ -31,6 +31,8 @@ RAW = GovernorConfig(policy="off")     # spec with every round drafting (raw spe
 # toy model: logits depend on the last two tokens through a fixed table
 
 class ToyState:
+    kv_cache = "float32"     # what DecodeState says of its caches
+
     def __init__(self, stack, ring, max_seq):
         self.stack, self.ring, self.max_seq = stack, ring, max_seq
         self.committed, self.pend = [], []
@@ -117,7 +119,8 @@ def test_toy_greedy_spec_equals_ar(K, noise):
     for prompt in toy_prompts(12, seed=K):
         ref = toy_ar(model, prompt, 30)
         for mode, gov in (("spec", RAW), ("spec", None), ("governed", None)):
-            dec = SpeculativeDecoder(model, MLXProposer(model, "draft", ring=K + 1), mode, k=K, governor=gov)
+            dec = SpeculativeDecoder(model, MLXProposer(model, "draft", ring=K + 1), mode, k=K,
+                                     options=DecodeOptions(governor=gov))
             assert dec.generate(prompt, 30) == ref
             st = dec.stats
             assert st.tokens == 30 and st.rounds == st.spec_rounds + st.ar_rounds
@@ -149,7 +152,8 @@ def test_toy_round_structure_counts_target_work():
     """One verify batch of K+1 per round: target token-forwards = prompt-1 + sum(K+1)."""
     model = ToyModel(draft_noise=0.5, seed=3)
     K = 4
-    dec = SpeculativeDecoder(model, MLXProposer(model, "draft", ring=K + 1), "spec", k=K, governor=RAW)
+    dec = SpeculativeDecoder(model, MLXProposer(model, "draft", ring=K + 1), "spec", k=K,
+                             options=DecodeOptions(governor=RAW))
     model.forward_tokens = 0
     prompt = [5, 6, 7, 8]
     dec.generate(prompt, 25)
@@ -212,7 +216,7 @@ def test_governor_resume_reprobes_and_catches_draft_up():
     ref = toy_ar(model, [1, 2], 60)
     gov = GovernorConfig(resume_after=8)
     draft = MLXProposer(model, "draft", ring=K + 1)
-    dec = SpeculativeDecoder(model, draft, "governed", k=K, governor=gov)
+    dec = SpeculativeDecoder(model, draft, "governed", k=K, options=DecodeOptions(governor=gov))
     assert dec.generate([1, 2], 60) == ref
     st = dec.stats
     assert st.governor_resumes >= 2 and st.governor_trips == st.governor_resumes + 1 or \
@@ -245,7 +249,7 @@ def test_governor_unit():
 def test_forced_acceptance_alignment(alpha, K, expect):
     model = ToyModel(draft_noise=5.0, seed=2, max_seq=256)
     draft = MLXProposer(model, "draft", ring=K + 1)
-    dec = SpeculativeDecoder(model, draft, "forced", k=K, forced_alpha=alpha)
+    dec = SpeculativeDecoder(model, draft, "forced", k=K, options=DecodeOptions(forced_alpha=alpha))
     rounds = 10
     n_tokens = rounds * (expect[0] // rounds + 1)
     out = dec.generate([3, 4], n_tokens)
@@ -270,7 +274,7 @@ def test_ngram_and_auto_on_repetitive_text():
     assert dec.generate(prompt, 80) == ref
     assert auto.used_ngram > 0 and auto.used_model > 0
     # its n-gram rounds grow too (the model's stay at K: the MLX draft's ring holds 5)
-    raw = SpeculativeDecoder(model, auto, "spec", k=4, governor=GovernorConfig(policy="off"))
+    raw = SpeculativeDecoder(model, auto, "spec", k=4, options=DecodeOptions(governor=GovernorConfig(policy="off")))
     assert raw.generate(prompt, 80) == ref
     assert raw.stats.extra["ngram_longest"] > 4
 
@@ -281,16 +285,17 @@ def test_ngram_proposals_grow_past_k_in_the_loop():
     raw = GovernorConfig(policy="off")     # every round drafts: the round counts are exact
     for n_tokens in (80, 37):
         ref = toy_ar(model, prompt, n_tokens)
-        grow = SpeculativeDecoder(model, NgramProposer(12, k=4), "spec", k=4, governor=raw)
+        grow = SpeculativeDecoder(model, NgramProposer(12, k=4), "spec", k=4, options=DecodeOptions(governor=raw))
         assert grow.generate(prompt, n_tokens) == ref      # exactly n_tokens, the AR tokens
         assert 4 < grow.stats.extra["ngram_longest"] <= 15
         assert grow.target.ring >= 16
-        fixed = SpeculativeDecoder(model, NgramProposer(12, k=4, max_k=None), "spec", k=4, governor=raw)
+        fixed = SpeculativeDecoder(model, NgramProposer(12, k=4, max_k=None), "spec", k=4,
+                                   options=DecodeOptions(governor=raw))
         assert fixed.generate(prompt, n_tokens) == ref
         assert fixed.stats.extra["ngram_longest"] == 4
         assert grow.stats.rounds < fixed.stats.rounds
     # forced rounds keep K (their ratio is exact)
-    forced = SpeculativeDecoder(model, NgramProposer(12, k=4), "forced", k=4, forced_alpha=1.0)
+    forced = SpeculativeDecoder(model, NgramProposer(12, k=4), "forced", k=4, options=DecodeOptions(forced_alpha=1.0))
     forced.generate(prompt, 40)
     assert forced.stats.extra["ngram_longest"] <= 4
 
@@ -300,13 +305,13 @@ def test_auto_gates_a_useless_model_draft():
     prompt = [7, 1, 9]
     ref = toy_ar(model, prompt, 80)
     auto = AutoProposer(NgramProposer(12), MLXProposer(model, "draft", ring=5))
-    dec = SpeculativeDecoder(model, auto, "spec", k=4, governor=RAW)   # the gate alone
+    dec = SpeculativeDecoder(model, auto, "spec", k=4, options=DecodeOptions(governor=RAW))   # the gate alone
     assert dec.generate(prompt, 80) == ref
     st = dec.stats
     assert st.extra["auto_gate_trips"] >= 1 and st.extra["auto_gated_rounds"] > 0
     assert auto.used_model < 20  # a few probes, not every n-gram miss
     good = AutoProposer(NgramProposer(12), MLXProposer(model, "target", ring=5))
-    dec = SpeculativeDecoder(model, good, "spec", k=4, governor=RAW)
+    dec = SpeculativeDecoder(model, good, "spec", k=4, options=DecodeOptions(governor=RAW))
     assert dec.generate(prompt, 80) == ref
     assert dec.stats.extra["auto_gate_trips"] == 0
 
@@ -334,7 +339,8 @@ def test_round_hook_separates_drafted_tokens_from_the_correction():
     prompt = [1, 2, 3]
     ref = toy_ar(model, prompt, 40)
     rounds, streamed = [], []
-    dec = SpeculativeDecoder(model, MLXProposer(model, "draft", ring=5), "spec", k=4, governor=RAW)
+    dec = SpeculativeDecoder(model, MLXProposer(model, "draft", ring=5), "spec", k=4,
+                             options=DecodeOptions(governor=RAW))
     out = dec.generate(prompt, 40, on_tokens=streamed.append, on_round=rounds.append)
     assert out == ref and len(rounds) == dec.stats.rounds
     assert [list(r.emitted) for r in rounds] == streamed
@@ -447,7 +453,7 @@ N_REAL = 20
 
 
 def _ar(tiny, prompt, n, strict):
-    return SpeculativeDecoder(tiny.model, None, "ar", k=4, strict=strict).generate(prompt, n)
+    return SpeculativeDecoder(tiny.model, None, "ar", k=4, options=DecodeOptions(strict=strict)).generate(prompt, n)
 
 
 @pytest.mark.parametrize("K", [1, 2, 4, 8, 16])
@@ -455,8 +461,8 @@ def test_real_strict_spec_and_governed_bit_exact(tiny, K):
     alphas = []
     for prompt, ref in zip(tiny.prompts, tiny.ref[True]):
         for mode in ("spec", "governed"):
-            draft = make_proposer("mlx", tiny.model, k=K, strict=True)
-            dec = SpeculativeDecoder(tiny.model, draft, mode, k=K, strict=True)
+            draft = make_proposer("mlx", tiny.model, k=K, options=DraftOptions(strict=True))
+            dec = SpeculativeDecoder(tiny.model, draft, mode, k=K, options=DecodeOptions(strict=True))
             assert dec.generate(prompt, N_REAL) == ref, (K, mode, prompt)
             if mode == "spec":
                 alphas.append(dec.stats.alpha)
@@ -466,8 +472,8 @@ def test_real_strict_spec_and_governed_bit_exact(tiny, K):
 @pytest.mark.parametrize("K", [4, 16])
 def test_real_oracle_strict_accepts_all(tiny, K):
     prompt, ref = tiny.prompts[2], tiny.ref[True][2]
-    dec = SpeculativeDecoder(tiny.model, make_proposer("target", tiny.model, k=K, strict=True),
-                                "oracle", k=K, strict=True)
+    dec = SpeculativeDecoder(tiny.model, make_proposer("target", tiny.model, k=K, options=DraftOptions(strict=True)),
+                                "oracle", k=K, options=DecodeOptions(strict=True))
     assert dec.generate(prompt, N_REAL) == ref
     assert dec.stats.alpha == 1.0  # strict: draft and verify rows are bit-identical
 
@@ -476,7 +482,7 @@ def test_real_fast_mode_token_equivalent(tiny):
     for prompt, ref in zip(tiny.prompts, tiny.ref[False]):
         for K, kinds in ((4, ("mlx", "auto", "ngram")), (16, ("mlx", "ngram"))):
             for kind in kinds:
-                draft = make_proposer(kind, tiny.model, k=K, auto_fallback="mlx")
+                draft = make_proposer(kind, tiny.model, k=K, options=DraftOptions(auto_fallback="mlx"))
                 mode = "governed" if kind == "auto" else "spec"
                 dec = SpeculativeDecoder(tiny.model, draft, mode, k=K)
                 assert dec.generate(prompt, N_REAL) == ref, (K, kind, prompt)
@@ -489,8 +495,9 @@ def test_real_runs_into_max_seq(tiny):
         ref = _ar(tiny, prompt, 100, True)
         assert len(ref) == max_seq - plen + 1
         for K in (4, 16):
-            dec = SpeculativeDecoder(tiny.model, make_proposer("mlx", tiny.model, k=K, strict=True),
-                                        "governed", k=K, strict=True)
+            dec = SpeculativeDecoder(tiny.model, make_proposer("mlx", tiny.model, k=K,
+                                                               options=DraftOptions(strict=True)),
+                                        "governed", k=K, options=DecodeOptions(strict=True))
             assert dec.generate(prompt, 100) == ref
             assert dec.stats.stop_reason == "max_seq"
 
@@ -507,16 +514,16 @@ def test_real_c_draft_fidelity(tiny, threads):
     # threads=2 repeats a smaller matrix: the pool result must not depend on it
     n_prompts = 4 if threads == 1 else 2
     for K in ((1, 4, 16) if threads == 1 else (4, 16)):
-        draft = make_proposer("c", tiny.model, tiny.w, k=K, threads=threads)
+        draft = make_proposer("c", tiny.model, tiny.w, k=K, options=DraftOptions(threads=threads))
         for prompt, ref in list(zip(tiny.prompts, tiny.ref[True]))[:n_prompts]:
             for mode in (("spec", "governed") if K == 4 else ("spec",)):
-                dec = SpeculativeDecoder(tiny.model, draft, mode, k=K, strict=True)
+                dec = SpeculativeDecoder(tiny.model, draft, mode, k=K, options=DecodeOptions(strict=True))
                 assert dec.generate(prompt, N_REAL) == ref, (threads, K, mode)
                 alphas.append(dec.stats.alpha)
         draft.close()
     assert max(alphas) > 0
     # fast mode (GEMM verify) with the C draft: token-equivalent on every prompt
-    draft = make_proposer("c", tiny.model, tiny.w, k=4, threads=threads)
+    draft = make_proposer("c", tiny.model, tiny.w, k=4, options=DraftOptions(threads=threads))
     for prompt, ref in zip(tiny.prompts, tiny.ref[False]):
         dec = SpeculativeDecoder(tiny.model, draft, "governed" if threads == 2 else "spec", k=4)
         assert dec.generate(prompt, N_REAL) == ref, (threads, "fast")
@@ -528,7 +535,7 @@ def test_real_c_draft_sampling_seeded(tiny):
     params = smp.SamplingParams(temperature=0.8, top_p=0.9, repetition_penalty=1.1, seed=7)
     outs = []
     for _ in range(2):
-        draft = make_proposer("c", tiny.model, tiny.w, k=4, threads=1)
+        draft = make_proposer("c", tiny.model, tiny.w, k=4, options=DraftOptions(threads=1))
         dec = SpeculativeDecoder(tiny.model, draft, "spec", k=4, params=params)
         outs.append(dec.generate(tiny.prompts[3], 16))
         draft.close()
@@ -540,14 +547,14 @@ def test_real_c_draft_ahead_fidelity_and_max_seq(tiny):
     ar tokens, for several K and into max_seq (no continuation past the cache)."""
     _cdraft_or_skip()
     for K in (1, 2, 4):
-        draft = make_proposer("c", tiny.model, tiny.w, k=K, threads=1, ahead=True)
+        draft = make_proposer("c", tiny.model, tiny.w, k=K, options=DraftOptions(threads=1, ahead=True))
         assert isinstance(draft, CDraftAheadProposer)
         for prompt, ref in zip(tiny.prompts, tiny.ref[True]):
-            dec = SpeculativeDecoder(tiny.model, draft, "spec", k=K, strict=True)
+            dec = SpeculativeDecoder(tiny.model, draft, "spec", k=K, options=DecodeOptions(strict=True))
             assert dec.generate(prompt, N_REAL) == ref, (K, prompt)
         for plen in (50, 63):
             prompt = (tiny.prompts[-1] * 3)[:plen]
-            dec = SpeculativeDecoder(tiny.model, draft, "spec", k=K, strict=True)
+            dec = SpeculativeDecoder(tiny.model, draft, "spec", k=K, options=DecodeOptions(strict=True))
             assert dec.generate(prompt, 100) == _ar(tiny, prompt, 100, True)
             assert dec.stats.stop_reason == "max_seq"
         draft.close()
@@ -558,8 +565,8 @@ def test_c_draft_prefills_beside_the_target(tiny):
     prefills (start_sync before the target, sync after), and the tokens are ar's."""
     _cdraft_or_skip()
     for ahead in (False, True):
-        draft = make_proposer("c", tiny.model, tiny.w, k=4, threads=1, ahead=ahead)
-        dec = SpeculativeDecoder(tiny.model, draft, "spec", k=4, strict=True)
+        draft = make_proposer("c", tiny.model, tiny.w, k=4, options=DraftOptions(threads=1, ahead=ahead))
+        dec = SpeculativeDecoder(tiny.model, draft, "spec", k=4, options=DecodeOptions(strict=True))
         seen = []
         prefill = dec.target.prefill
         dec.target.prefill = lambda toks: (seen.append(draft._prefilling), prefill(toks))[1]
@@ -575,8 +582,8 @@ def _kept_continuation(tiny, K):
     in its batch; a plain C draft; the history so far)"""
     _cdraft_or_skip()
     prompt = tiny.prompts[0]
-    ahead = make_proposer("c", tiny.model, tiny.w, k=K, threads=1, ahead=True)
-    plain = make_proposer("c", tiny.model, tiny.w, k=K, threads=1)
+    ahead = make_proposer("c", tiny.model, tiny.w, k=K, options=DraftOptions(threads=1, ahead=True))
+    plain = make_proposer("c", tiny.model, tiny.w, k=K, options=DraftOptions(threads=1))
     history, pending = list(prompt[:-1]), prompt[-1]
     ahead.reset()
     first, _ = ahead.propose(history, pending, K, smp.GREEDY, None)
@@ -623,17 +630,17 @@ def test_shipped_c_draft_ahead_hits_and_equals_ar():
     """On the shipped model the drafted-ahead proposals are used (hits) and the
     output is still the ar output, greedy and with a sampling fallback."""
     _cdraft_or_skip()
-    from spel_mlx.checkpoints import load_checkpoint
+    from spel_mlx.reader import load_checkpoint
     from spel_mlx.model import SpelModel
     ck = load_checkpoint()
     model = SpelModel.from_weights(ck.cfg, ck.weights)
     prompt = [int(t) for t in np.arange(40) * 37 % ck.cfg.vocab]
     ref = SpeculativeDecoder(model, None, "ar").generate(prompt, 60)
-    draft = make_proposer("c", model, ck.weights, k=4, threads=1, ahead=True)
-    dec = SpeculativeDecoder(model, draft, "spec", k=4, governor=RAW)
+    draft = make_proposer("c", model, ck.weights, k=4, options=DraftOptions(threads=1, ahead=True))
+    dec = SpeculativeDecoder(model, draft, "spec", k=4, options=DecodeOptions(governor=RAW))
     assert dec.generate(prompt, 60) == ref
     assert dec.stats.extra["ahead_hits"] > 0
-    auto = make_proposer("auto", model, ck.weights, k=4, threads=1, ahead=True)
+    auto = make_proposer("auto", model, ck.weights, k=4, options=DraftOptions(threads=1, ahead=True))
     assert isinstance(auto.fallback, CDraftAheadProposer)
     assert SpeculativeDecoder(model, auto, "spec", k=4).generate(prompt, 60) == ref
     auto.close()
@@ -651,14 +658,16 @@ def test_c_draft_reads_the_last_draft_context_tokens_of_a_long_prompt(shipped_c_
     ck, model, prompt, ref = shipped_c_run
     history = prompt[:-1]                                   # 39 tokens: what the target commits first
     for context, read in ((16, 16), (64, 39), (0, 39)):
-        draft = make_proposer("c", model, ck.weights, k=4, threads=1, ahead=ahead, draft_context=context)
+        draft = make_proposer("c", model, ck.weights, k=4,
+                              options=DraftOptions(threads=1, ahead=ahead, draft_context=context))
         draft.reset()
         draft.start_sync(history)
         draft.sync(history)
         assert (int(draft.cdraft.pos), draft.pos) == (read, len(history)), context
-        dec = SpeculativeDecoder(model, draft, "spec", k=4, governor=GovernorConfig(policy="off"))
+        dec = SpeculativeDecoder(model, draft, "spec", k=4,
+                                 options=DecodeOptions(governor=GovernorConfig(policy="off")))
         assert dec.generate(prompt, 60) == ref
         assert dec.stats.proposed > 0
         draft.close()
     with pytest.raises(DecodeError, match="draft_context=-1"):
-        make_proposer("c", model, ck.weights, k=4, draft_context=-1)
+        make_proposer("c", model, ck.weights, k=4, options=DraftOptions(draft_context=-1))

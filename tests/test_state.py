@@ -6,7 +6,7 @@ import spel_mlx  # noqa: F401
 import mlx.core as mx
 from spel_mlx.config import ModelConfig
 from spel_mlx.model import SpelModel, init_weights
-from spel_mlx.state import DecodeState, StateError
+from spel_mlx.model.state import DecodeState, StateError
 
 CFG = ModelConfig(d_model=64, n_layers=4, n_heads=2, head_dim=32, d_ff=96, vocab=64,
                   max_seq=48, attn_period=2, draft_map=(0, 1), spec_k=4)
@@ -147,7 +147,7 @@ def test_kv_rows_cover_every_pass_window():
     """The model slices a pass's attention window out of the cache (model.passes.window):
     the rows the state grows to are never fewer, up to max_seq itself."""
     from spel_mlx.model.passes import window as _window
-    from spel_mlx.state import kv_rows
+    from spel_mlx.model.state import kv_rows
     for max_seq in (1, 48, 100, 1000, 4096, 5000, 1 << 24):
         for n in list(range(1, min(max_seq, 3000) + 1)) + [max_seq - 1, max_seq]:
             if 1 <= n <= max_seq:
@@ -180,10 +180,11 @@ def test_kv_caches_grow_and_decode_identically(model):
 
 
 def test_decoder_makes_room_for_the_whole_call_before_its_first_round():
-    """Growing the caches mid-call copies them inside one round (measured: a 15-19 ms round
-    at a 2k boundary), so the decoder reserves prompt + max_tokens rows up front."""
+    """Growing the caches mid-call copies them inside one round (a round many steps long
+    at a 2k boundary: docs/model.md, "Attention at real context lengths"), so the decoder
+    reserves prompt + max_tokens rows up front."""
     from spel_mlx.decoding.loop import SpeculativeDecoder
-    from spel_mlx.state import kv_rows
+    from spel_mlx.model.state import kv_rows
     cfg = CFG.replace(max_seq=300)
     m = SpelModel.from_weights(cfg, init_weights(cfg, seed=3))
     dec = SpeculativeDecoder(m, None, "ar")

@@ -144,7 +144,7 @@ def test_export_spelw_and_f16_folder(tmp_path, target_run, data_dir):
     run, _ = target_run
     out = export.export_run(run, str(tmp_path / "model"), dtype="float16", data_dir=data_dir,
                             spelw_path=str(tmp_path / "m.spelw"))
-    from spel_mlx.checkpoints import load_checkpoint
+    from spel_mlx.reader import load_checkpoint
     _, _, params, _, _ = runs.load_checkpoint_dir(run)
     full = load_checkpoint(str(tmp_path / "m.spelw"))
     half = load_checkpoint(out)
@@ -351,7 +351,7 @@ def test_draft_step_at_t1_is_the_old_step_and_a_temperature_changes_it():
 def test_draft_run_starts_from_an_exported_model(tmp_path, target_run, data_dir):
     """An exported folder as --init: its (float16) target and draft are the start
     point, bit for bit; a tempered draft run from it logs its objective."""
-    from spel_mlx.checkpoints import load_checkpoint
+    from spel_mlx.reader import load_checkpoint
     trun, _ = target_run
     d1 = str(tmp_path / "d1")
     loop.train(d1, None, _tc(data_dir, mode="draft", init=trun, steps=4, lr=2e-3), tokenizer=ByteTokenizer(),

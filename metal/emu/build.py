@@ -25,8 +25,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ...settings import setting
+
 HERE = os.path.dirname(os.path.abspath(__file__))
-HEADER = os.path.join(HERE, "metal_emu.h")
+HEADER = os.path.join(HERE, "metal_emu.h")            # the built-ins; includes runtime.h
+HEADERS = (HEADER, os.path.join(HERE, "runtime.h"))   # what a build's cache key reads
 MAX_CONSTANT_ARRAY_SIZE = 8  # MLX: smaller inputs go to the constant address space
 
 # Metal attributes in the order MLX declares them; a body gets those whose name
@@ -77,7 +80,7 @@ def compiler() -> str | None:
 
 
 def cache_dir() -> str:
-    d = os.environ.get("SPEL_METAL_EMU_CACHE")
+    d = setting("SPEL_METAL_EMU_CACHE")
     if not d:
         base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
         d = os.path.join(base, "spel_mlx", "metal_emu")
@@ -231,10 +234,10 @@ class EmuLibrary:
 
     @staticmethod
     def flags() -> list:
-        opt = os.environ.get("SPEL_METAL_EMU_OPT", "-O1")
+        opt = setting("SPEL_METAL_EMU_OPT")
         flags = ["-std=c++17", opt, "-fPIC", "-shared", "-pthread", "-Wno-attributes",
                  "-fno-strict-aliasing", "-ffp-contract=off", "-fno-fast-math"]
-        if os.environ.get("SPEL_METAL_EMU_ASAN") == "1":
+        if setting("SPEL_METAL_EMU_ASAN"):
             flags += ["-fsanitize=address", "-fno-omit-frame-pointer"]
         return flags
 
@@ -247,8 +250,10 @@ class EmuLibrary:
             cxx = compiler()
             if cxx is None:
                 raise EmulationError("no C++ compiler (g++/clang++) found: the Metal emulation needs one")
-            with open(HEADER, encoding="utf-8") as f:
-                emu_header = f.read()
+            emu_header = ""
+            for path in HEADERS:
+                with open(path, encoding="utf-8") as f:
+                    emu_header += f.read()
             parts = ['#include "metal_emu.h"\n']
             seen_headers = set()
             funcs = {}

@@ -8,11 +8,12 @@ import time
 from dataclasses import dataclass
 
 # SamplingParams, checked_prompt and DEFAULT_ACCEPT are re-exported: generation.py reaches decoding only here
-from ..decoding import MODES, PROPOSER_KINDS, DecodeError, GovernorConfig, SamplingParams, SpeculativeDecoder  # noqa: F401
+from ..decoding import (MODES, PROPOSER_KINDS, DecodeError, DecodeOptions, GovernorConfig,  # noqa: F401
+                        SamplingParams, SpeculativeDecoder)
 from ..decoding.ahead import usable_cpus
 from ..decoding.c_proposer import DRAFT_CONTEXT, checked_draft_context
 from ..decoding import governor_store
-from ..decoding.factory import default_draft_threads, make_proposer
+from ..decoding.factory import DraftOptions, default_draft_threads, make_proposer
 from ..decoding.loop import MAX_K, checked_prompt  # noqa: F401
 from ..decoding.sampling import DEFAULT_ACCEPT, SamplingError  # noqa: F401
 from ..model.backends import device_scope
@@ -111,9 +112,10 @@ def _proposer(loaded, settings: DecodeSettings, k: int, params):
     if key in cache:
         cache.move_to_end(key)
         return cache[key]
-    proposer = make_proposer(kind, loaded.model, loaded.weights, k=k, threads=threads, strict=settings.strict,
-                             auto_fallback="c" if clib.available() else "mlx", ahead=ahead,
-                             draft_context=settings.draft_context)
+    proposer = make_proposer(kind, loaded.model, loaded.weights, k=k,
+                             options=DraftOptions(threads=threads, strict=settings.strict,
+                                                  auto_fallback="c" if clib.available() else "mlx", ahead=ahead,
+                                                  draft_context=settings.draft_context))
     cache[key] = proposer
     while len(cache) > MAX_CACHED_DRAFTS:
         cache.popitem(last=False)[1].close()
@@ -164,9 +166,9 @@ class Decoding:
             proposer = _proposer(loaded, s, k, self.params)
             store = _recall_governor(loaded, proposer, k, self.params)
             runner = loaded.pipeline.runner if loaded.pipeline is not None else None
-            self.decoder = SpeculativeDecoder(loaded.model, proposer, s.mode, k=k, strict=s.strict,
-                                              params=self.params, governor=s.governor,
-                                              forced_alpha=s.forced_alpha, runner=runner)
+            self.decoder = SpeculativeDecoder(loaded.model, proposer, s.mode, k=k, params=self.params,
+                                              options=DecodeOptions(strict=s.strict, governor=s.governor,
+                                                                    forced_alpha=s.forced_alpha, runner=runner))
             self._t0 = time.perf_counter()
 
             def hook(r):

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from ..config import ModelConfig
 from ..loading import LoadError, NoCheckpoint, load_for_decoding
 from ..model.backends import DeviceError, placement_device
-from ..state import KV_DTYPES
+from ..model.state import KV_DTYPES
 
 __all__ = ["LoadError", "LoadedModel", "NoCheckpoint", "load"]
 

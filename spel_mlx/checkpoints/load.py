@@ -1,8 +1,7 @@
-"""Load a checkpoint in either form: a SPELW001 file or a safetensors model folder.
-
-``load_checkpoint(path)`` returns the config read from the checkpoint, the weights
-dict (float32, memory-mapped views where the file stores F32; F16/BF16 tensors are
-widened to float32 copies), the golden footer if any, and where it came from.
+"""A loaded checkpoint (``Checkpoint``), where one is found (SPEL_WEIGHTS, the shipped
+default), and the checks every loaded one gets.  ``spel_mlx.reader.load_checkpoint``
+reads either form into one: a SPELW001 file (this package) or a safetensors model
+folder (spel_mlx.converters).
 """
 from __future__ import annotations
 
@@ -14,11 +13,11 @@ from pathlib import Path
 import numpy as np
 
 from ..config import ModelConfig
-from ..layout import tensor_specs
+from ..settings import setting
 from .files import PageDroppingWeights
 from .footer import Golden
-from .rules import CheckpointError, NonFiniteWeightsWarning, check_memory
-from .spelw import MAGIC, read_header, read_spelw
+from .rules import CheckpointError, NonFiniteWeightsWarning
+from .spelw import MAGIC
 
 DEFAULT_DIR = Path(__file__).resolve().parent.parent / "assets" / "default"
 DEFAULT_MODEL_FILE = "model.safetensors"
@@ -72,7 +71,7 @@ def resolve_checkpoint_path(path=None) -> str:
     """``path``, else $SPEL_WEIGHTS, else the shipped default folder."""
     if path:
         return os.fspath(path)
-    env = os.environ.get("SPEL_WEIGHTS", "").strip()
+    env = setting("SPEL_WEIGHTS")
     if env:
         return env
     return str(default_checkpoint_dir())
@@ -84,34 +83,6 @@ def is_spelw(path) -> bool:
             return f.read(8) == MAGIC
     except OSError:
         return False
-
-
-def load_checkpoint(path=None) -> Checkpoint:
-    """Load a SPELW001 file or a safetensors model folder / file (see module doc).
-
-    Refuses (CheckpointTooLarge) a checkpoint whose implied memory exceeds what this
-    process can allocate, before allocating; warns (NonFiniteWeightsWarning) when
-    weights hold NaN or infinity, naming the tensors."""
-    path = resolve_checkpoint_path(path)
-    if not os.path.exists(path):
-        raise CheckpointError(path, "no such file or folder")
-    if os.path.isdir(path) or (path.endswith(".safetensors") and not is_spelw(path)):
-        from ..converters import SafetensorsModel
-
-        st = SafetensorsModel(path)
-        check_memory(st.cfg, path)
-        weights = {s.name: st.f32(s.name) for s in tensor_specs(st.cfg)}
-        dts = st.stored_dtypes
-        ck = Checkpoint(st.cfg, weights, st.golden(), path, "safetensors",
-                        dts.pop() if len(dts) == 1 else "mixed", sum(f.size for f in st.files),
-                        lambda: [st.release(n) for n in weights], st.release)
-    else:
-        check_memory(read_header(path).cfg, path)
-        sp = read_spelw(path)
-        ck = Checkpoint(sp.cfg, sp.tensors, sp.golden, path, "spelw", "F32", sp.file_size,
-                        lambda: sp.release(0, sp.file_size), sp.release_tensor)
-    warn_nonfinite(ck)
-    return ck
 
 
 def nonfinite_tensors(ck: Checkpoint) -> list:

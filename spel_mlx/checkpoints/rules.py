@@ -136,7 +136,7 @@ def check_golden_count(n: int, cfg: ModelConfig, path, offset: int | None = None
 def implied_memory(cfg: ModelConfig) -> dict:
     """Bytes that loading a checkpoint for decoding allocates up front, by part.
 
-    The KV caches are not in it: they grow with the positions used (spel_mlx.state,
+    The KV caches are not in it: they grow with the positions used (spel_mlx.model.state,
     neon/draft.c).  The RoPE table (spel_mlx.model.functional.rope_table) is built for max_seq
     rows, in float64 then float32: about 40 bytes per (position, frequency).
     """

@@ -1,8 +1,8 @@
 // A decoding pass built in C++: the graph CPUFusedOps builds from Python (the embedding
 // gather, per layer gdn_block, or attn_qkv + the caches' slice_update + attn_out, then
 // ffn_block; the final rms_norm and linear), node for node, so the same bits.  Built by
-// one call, where replaying the compiled trace and slicing the GDN slots took ~0.05 ms
-// more of the main thread a pass (docs/model.md, "The pass built in C++").
+// one call instead of replaying the compiled trace and slicing the GDN slots, which
+// cost the main thread more a pass (measured in docs/model.md, "The pass built in C++").
 #include <stdexcept>
 #include <string>
 

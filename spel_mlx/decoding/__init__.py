@@ -1,6 +1,7 @@
 """Speculative decoding (SPEC 5): the round, its proposers, the governor, sampling.
 
-    loop.py          SpeculativeDecoder: the round loop, modes, RoundResult (per-round hook)
+    loop.py          SpeculativeDecoder: the round loop, modes
+    call.py          a call's state from round to round (Call), what a round reports (RoundResult)
     target.py        the target's state and verification batches (SPEC 4)
     proposer.py      the Proposer protocol (what a round asks of a draft)
     mlx_proposer.py  the FP32 MLX draft layers, or the whole target (oracle)
@@ -13,13 +14,14 @@
     sampling.py      transforms and the lossless residual rule
     placement.py     calibrates target/draft placements by the cost model
 """
-from .factory import PROPOSER_KINDS, make_proposer
+from .factory import PROPOSER_KINDS, DraftOptions, make_proposer
 from .governor import Governor, GovernorConfig
-from .loop import MODES, DecodeError, RoundResult, SpeculativeDecoder
+from .call import RoundResult
+from .loop import MODES, DecodeError, DecodeOptions, SpeculativeDecoder
 from .proposer import Proposer
 from .sampling import GREEDY, SamplingParams
 from .stats import DecodeStats
 
-__all__ = ["DecodeError", "DecodeStats", "GREEDY", "Governor", "GovernorConfig", "MODES",
-           "PROPOSER_KINDS", "Proposer", "RoundResult", "SamplingParams", "SpeculativeDecoder",
+__all__ = ["DecodeError", "DecodeOptions", "DecodeStats", "DraftOptions", "GREEDY", "Governor", "GovernorConfig",
+           "MODES", "PROPOSER_KINDS", "Proposer", "RoundResult", "SamplingParams", "SpeculativeDecoder",
            "make_proposer"]

@@ -29,7 +29,7 @@ class CDraftProposer(Proposer):
     def __init__(self, cdraft, context: int = DRAFT_CONTEXT):
         self.context = checked_draft_context(context)
         self.cdraft = cdraft
-        self.ring = max(2, int(getattr(cdraft, "ring", 2)))
+        self.ring = max(2, int(cdraft.ring))
         self.forwards = 0
         self._base = int(cdraft.pos)
         self._sampling = None          # (params, seed) the C draft samples with, None: argmax
@@ -37,7 +37,7 @@ class CDraftProposer(Proposer):
 
     @property
     def threads(self):
-        return getattr(self.cdraft, "threads", None)
+        return self.cdraft.threads
 
     def reset(self):
         self._finish_prefill()

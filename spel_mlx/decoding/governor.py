@@ -136,6 +136,11 @@ class Governor:
             self.resumes += 1
             self.window.clear()
 
+    def ar_rounds_due(self) -> int:
+        """AR rounds it asks for before the next drafting round: none (it re-probes by
+        round count, not by the cost model's AR stretches)."""
+        return 0
+
     def stats(self) -> dict:
         return {"governor": self.policy}
 

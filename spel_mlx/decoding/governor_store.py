@@ -18,6 +18,7 @@ import platform
 import time
 from dataclasses import asdict, fields
 
+from ..settings import setting
 from .governor import GovernorMemory
 
 FILE = "governor.json"
@@ -27,11 +28,11 @@ MAX_ENTRIES = 64
 
 
 def enabled() -> bool:
-    return os.environ.get("SPEL_GOVERNOR_STORE", "1").strip() not in ("0", "off")
+    return setting("SPEL_GOVERNOR_STORE")
 
 
 def path() -> str:
-    base = os.environ.get("SPEL_CACHE_DIR") or os.path.join(
+    base = setting("SPEL_CACHE_DIR") or os.path.join(
         os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"), "spel-mlx")
     return os.path.join(base, FILE)
 

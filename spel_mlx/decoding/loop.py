@@ -23,6 +23,7 @@ import numpy as np
 
 from . import noise
 from . import sampling as smp
+from .call import Call, RoundResult
 from .governor import GovernorConfig, make_governor
 from .proposer import Proposer
 from .stats import DecodeStats
@@ -59,22 +60,16 @@ def checked_prompt(prompt, max_tokens: int, cfg) -> list:
 
 
 @dataclass(frozen=True)
-class RoundResult:
-    """What one round decided, as ``generate(on_round=...)`` reports it."""
-    proposed: tuple     # d_0..d_{m-1} from the proposer (empty in an AR round)
-    accepted: int       # n: how many of them the target accepted
-    correction: int     # t_n: the target's token after them, the next pending token
-    emitted: tuple      # proposed[:n] + (correction,), cut at a stop token or max_tokens
-
-    @property
-    def accepted_tokens(self) -> tuple:
-        """The emitted tokens that came from the proposer."""
-        return self.emitted[:self.accepted]
-
-    @property
-    def target_tokens(self) -> tuple:
-        """The emitted token the target decided itself: the correction, or () when cut."""
-        return self.emitted[self.accepted:]
+class DecodeOptions:
+    """How a SpeculativeDecoder decodes beyond its mode, K and sampling: `strict` (the
+    bit-exact verification path), `governor` (GovernorConfig; None: the default),
+    `forced_alpha` (mode forced's acceptance), `runner(ring, strict)`: the target side
+    when it is not the model in this process (a pipeline across processes,
+    spel_mlx.distributed; TargetRunner's interface)."""
+    strict: bool = False
+    governor: GovernorConfig | None = None
+    forced_alpha: float | None = None
+    runner: object = None
 
 
 class SpeculativeDecoder:
@@ -82,9 +77,8 @@ class SpeculativeDecoder:
     each call starts from a fresh state."""
 
     def __init__(self, model, proposer: Proposer | None = None, mode: str = "spec", k: int = 4,
-                 strict: bool = False, params: smp.SamplingParams = smp.GREEDY,
-                 governor: GovernorConfig | None = None, forced_alpha: float | None = None,
-                 runner=None):
+                 params: smp.SamplingParams = smp.GREEDY, options: DecodeOptions = DecodeOptions()):
+        strict, governor, forced_alpha, runner = options.strict, options.governor, options.forced_alpha, options.runner
         if mode not in MODES:
             raise DecodeError(f"mode {mode!r}: expected one of {', '.join(MODES)}")
         if not isinstance(k, int) or not (1 <= k <= MAX_K):
@@ -100,8 +94,6 @@ class SpeculativeDecoder:
         self.params = params.validate()
         self.governor_cfg = governor or GovernorConfig()
         self.forced_alpha = forced_alpha
-        # runner(ring, strict): the target side when it is not `model` in this process
-        # (a pipeline across processes, spel_mlx.distributed); TargetRunner's interface
         ring = self._longest() + 1
         # greedy spec may build a round's verification during the one before: room for two
         self.target = (TargetRunner(model, ring=ring, strict=strict, batches=2 if self.proposer else 1)
@@ -129,7 +121,6 @@ class SpeculativeDecoder:
         in `self.stats` (kept current, so they are valid after an interrupt too)."""
         prompt = checked_prompt(prompt, max_tokens, self.cfg)
         max_seq = self.cfg.max_seq
-        stop_set = set(int(t) for t in stop_tokens)
         seed = self.seed = noise.seed64(self.params.seed)    # this call's noise stream
         proposer = self.proposer
         gov = make_governor(self.governor_cfg, self.mode, self.params,
@@ -137,13 +128,15 @@ class SpeculativeDecoder:
         st = self.stats = DecodeStats(mode=self.mode, draft=(proposer.name if proposer else "none"),
                                       k=(self.k if proposer else 0), strict=self.strict,
                                       prompt_tokens=len(prompt),
-                                      kv_cache=getattr(self.target, "kv_cache", "float32"))
+                                      kv_cache=self.target.kv_cache)
         out = self.output = []
+        call = self.call = Call(prompt[:-1], out, max_tokens, set(int(t) for t in stop_tokens), on_tokens, on_round,
+                                gov, seed)
 
         t0 = time.perf_counter()
         self.target.reset()
         self.target.reserve(len(prompt) + max_tokens)
-        history = prompt[:-1]          # committed in the target
+        history = call.history         # committed in the target
         pending = prompt[-1]
         if proposer is not None:
             proposer.reset()
@@ -159,12 +152,11 @@ class SpeculativeDecoder:
         try:
             if proposer is None and self._looks_ahead():     # `ar`
                 count = min(max_tokens, max_seq - self.target.pos)
-                _, stop = self._ar_ahead(history, pending, count, max_tokens, stop_set, on_tokens, on_round)
+                _, stop = self._ar_ahead(call, pending, count)
                 st.stop_reason = ("stop_token" if stop else "max_tokens" if len(out) >= max_tokens
                                   else "max_seq")
             else:
-                st.stop_reason = self._rounds(history, pending, max_tokens, stop_set, on_tokens, on_round,
-                                              gov, seed)
+                st.stop_reason = self._rounds(call, pending)
         except KeyboardInterrupt:
             st.stop_reason = "interrupted"
             raise
@@ -182,14 +174,13 @@ class SpeculativeDecoder:
         return out
 
     # -- the rounds of a call ----------------------------------------------------------
-    def _rounds(self, history, pending, max_tokens, stop_set, on_tokens, on_round, gov, seed) -> str:
+    def _rounds(self, call: Call, pending) -> str:
         """Round after round (SPEC 5) until max_tokens, a stop token or max_seq; returns
-        the stop reason.  `history` grows by the committed tokens."""
+        the stop reason.  The call's history grows by the committed tokens."""
         self._built = self._next = None
-        self._max_tokens = max_tokens
         self._verify_times, self._build_times = deque(maxlen=16), deque([0.0], maxlen=16)
         try:
-            return self._round_loop(history, pending, max_tokens, stop_set, on_tokens, on_round, gov, seed)
+            return self._round_loop(call, pending)
         finally:
             self._drop_next()
             if self.proposer is not None:
@@ -201,22 +192,22 @@ class SpeculativeDecoder:
                 self.target.drop_built(built)
         self._built = self._next = None
 
-    def _round_loop(self, history, pending, max_tokens, stop_set, on_tokens, on_round, gov, seed) -> str:
-        st, out, max_seq = self.stats, self.output, self.cfg.max_seq
+    def _round_loop(self, call: Call, pending) -> str:
+        st, max_seq = self.stats, self.cfg.max_seq
+        history, gov, seed = call.history, call.gov, call.seed
         behind = False              # rounds the governor skipped left the proposer behind
-        while len(out) < max_tokens:
+        while call.room() > 0:
             pos = self.target.pos
             if pos >= max_seq:
                 return "max_seq"
             t_round = time.perf_counter()
             built = self._passes_built()
-            k = self._round_k(pos, max_tokens - len(out))
-            stretch = self._ar_stretch(gov, k, max_tokens - len(out))
+            k = self._round_k(pos, call.room())
+            stretch = self._ar_stretch(gov, k, call.room())
             if stretch:         # the governor's AR rounds, looking ahead
                 self._drop_next()
                 behind = True
-                pending, stop = self._ar_ahead(history, pending, stretch, max_tokens, stop_set,
-                                               on_tokens, on_round, gov, follow=True)
+                pending, stop = self._ar_ahead(call, pending, stretch, follow=True)
                 if stop:
                     return "stop_token"
                 continue
@@ -246,16 +237,12 @@ class SpeculativeDecoder:
                     self._next = ahead
                 else:
                     self.target.drop_built(ahead)
-            emitted, stop = self._emitted(proposal[:n] + [correction], stop_set, max_tokens - len(out))
-            out.extend(emitted)
-            st.tokens = len(out)
+            emitted, stop = call.emit(proposal[:n] + [correction])
+            st.tokens = len(call.out)
             pending = correction
             if gov is not None:
                 st.governor_trips, st.governor_resumes = gov.trips, gov.resumes
-            if on_tokens is not None:
-                on_tokens(emitted)
-            if on_round is not None:
-                on_round(RoundResult(tuple(proposal), n, correction, tuple(emitted)))
+            call.report(emitted, RoundResult(tuple(proposal), n, correction, tuple(emitted)))
             if stop:
                 return "stop_token"
         return "max_tokens"
@@ -266,30 +253,29 @@ class SpeculativeDecoder:
         known: from the lazy argmax, or (sampling, a penalty) from host token ids."""
         if not self.lookahead:
             return False
-        return getattr(self.target, "looks_ahead" if self.params.plain_greedy else "looks_ahead_sampled", False)
+        return self.target.looks_ahead if self.params.plain_greedy else self.target.looks_ahead_sampled
 
     def _ar_stretch(self, gov, k: int, remaining: int) -> int:
         """AR rounds to run looking ahead: the ones the governor asks for before it drafts
         again (its back-off, the AR rounds that time a call's start)."""
-        due = getattr(gov, "ar_rounds_due", None)
-        if k <= 0 or due is None or not self._looks_ahead():
+        if k <= 0 or gov is None or not self._looks_ahead():
             return 0
-        n = min(due(), remaining, self.cfg.max_seq - self.target.pos)
+        n = min(gov.ar_rounds_due(), remaining, self.cfg.max_seq - self.target.pos)
         return n if n >= 2 else 0
 
-    def _ar_ahead(self, history, pending, count, max_tokens, stop_set, on_tokens, on_round, gov=None,
-                  follow=False):
+    def _ar_ahead(self, call: Call, pending, count, follow=False):
         """`count` AR rounds through TargetRunner.ar_tokens (each step's pass built while
         the one before runs): the tokens (`_decide`'s) and state of one verification per
-        round, each timed and reported to the governor as its own round; `follow`: the
-        proposer catches up meanwhile.  Returns (the next pending token, whether a stop
-        token ended it)."""
+        round; `follow`: the governor's AR rounds, each timed and reported to it as its
+        own round, the proposer catching up meanwhile.  Returns (the next pending token,
+        whether a stop token ended it)."""
+        history, gov = call.history, call.gov if follow else None
         last = [pending]       # the token of the row `pick` reads
 
         def pick(row):
             return self._sample_rows(row[None, :], history, last[0], [])[0][0]
 
-        st, out = self.stats, self.output
+        st = self.stats
         steps = self.target.ar_tokens(pending, count, None if self.params.plain_greedy else pick)
         try:
             while True:
@@ -301,14 +287,10 @@ class SpeculativeDecoder:
                 st.ar_rounds += 1
                 st.rounds += 1
                 history.append(pending)
-                emitted, stop = self._emitted([token], stop_set, max_tokens - len(out))
-                out.extend(emitted)
-                st.tokens = len(out)
+                emitted, stop = call.emit([token])
+                st.tokens = len(call.out)
                 pending = last[0] = token
-                if on_tokens is not None:
-                    on_tokens(emitted)
-                if on_round is not None:
-                    on_round(RoundResult((), 0, token, tuple(emitted)))
+                call.report(emitted, RoundResult((), 0, token, tuple(emitted)))
                 if gov is not None:   # the round's whole time, as a drafting round's is timed
                     gov.round(0, 0, time.perf_counter() - ta, timed=self._passes_built() == built)
                     st.governor_trips, st.governor_resumes = gov.trips, gov.resumes
@@ -322,7 +304,7 @@ class SpeculativeDecoder:
     # -- the steps of a round ------------------------------------------------
     def _passes_built(self) -> int:
         """The model's pass shapes built so far (0 where the target runs elsewhere)."""
-        return getattr(self.target, "passes_built", 0)
+        return self.target.passes_built
 
     def _longest(self) -> int:
         """The most proposals a round may ask for: K, or more where the proposer sets
@@ -412,12 +394,12 @@ class SpeculativeDecoder:
         """(tokens, probs) of the rows [M, V] over [pending] + proposal after `history`."""
         W = self.params.window
         ctx = (history[-W:] if W else []) + [pending]
-        return smp.sample_rows(rows, ctx + proposal, len(ctx), len(history) + 1, self.params, self.seed, want_probs)
+        return smp.sample_rows(rows, ctx + proposal, len(ctx), self.params, (self.seed, len(history) + 1), want_probs)
 
     def _builds_ahead(self, m: int) -> bool:
         """Whether a round of m proposals builds the next verification ahead."""
         return (m > 0 and self.lookahead and self.mode in ("spec", "governed")
-                and getattr(self.target, "build_next", None) is not None)
+                and self.target.build_next is not None)
 
     def _verify_ahead(self, pending, proposal, argmax: bool):
         """The target's argmax of each row (a list), or its logits (numpy [M, V]), with the
@@ -441,7 +423,7 @@ class SpeculativeDecoder:
         timeout = self._peek_timeout(started) if self._builds_ahead(len(proposal)) else None
         nxt, k_next = None, 0
         if timeout is not None:
-            k_next = self._round_k(self.target.pos + len(tokens), self._max_tokens - len(self.output) - len(tokens))
+            k_next = self._round_k(self.target.pos + len(tokens), self.call.room() - len(tokens))
             nxt = self.proposer.peek(proposal, k_next, timeout) if k_next > 0 else None
         if nxt is not None and 0 < len(nxt[1]) <= k_next:
             t_build = time.perf_counter()
@@ -479,12 +461,6 @@ class SpeculativeDecoder:
             st.proposed += m
             st.accepted += n
         st.rounds += 1
-
-    @staticmethod
-    def _emitted(tokens, stop_set, room):
-        """(the round's tokens cut after a stop token and to `room`, whether one stopped it)."""
-        cut = next((i for i, t in enumerate(tokens) if t in stop_set), None)
-        return (tokens[:room], False) if cut is None else (tokens[:cut + 1][:room], True)
 
     def _calibrate_ar(self, pending, reps: int = 5) -> float:
         """Median time of single-token target forwards, uncommitted (state unchanged);

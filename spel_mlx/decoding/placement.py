@@ -27,7 +27,7 @@ from __future__ import annotations
 import os
 import statistics
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 import mlx.core as mx
 import numpy as np
@@ -35,7 +35,8 @@ import numpy as np
 from ..config import ModelConfig
 from ..model.backends import device_scope, gpu_available, mx_device
 from ..native.cdraft import MAX_THREADS, CDraft
-from .factory import make_proposer
+from ..settings import setting
+from .factory import make_proposer, DraftOptions
 
 
 class PlacementError(ValueError):
@@ -137,17 +138,30 @@ def _mlx_draft_time(model, dev: str, k: int, toks: list, reps: int) -> float:
         return _median_time(step, max(reps, 8))
 
 
+@dataclass(frozen=True)
+class Calibration:
+    """What `calibrate_placement` measures: `threads`, the C draft thread counts to try
+    (default 1, 2, and the SPEL_DRAFT_THREADS value, capped at the cores and 6);
+    `drafts`; `alpha`, the acceptance of the projected figure only (the order does not
+    depend on it); `prompt` (default a few seeded tokens); `reps` per timing; and whether
+    the unavailable placements are listed too (after the available ones)."""
+    threads: tuple | None = None
+    drafts: tuple = ("c", "mlx")
+    alpha: float = 0.6
+    prompt: object = None
+    reps: int = 5
+    include_unavailable: bool = True
+
+
 def calibrate_placement(model, weights: dict | None = None, k: int | None = None,
-                        threads=None, drafts=("c", "mlx"), alpha: float = 0.6,
-                        prompt=None, reps: int = 5, include_unavailable: bool = True) -> list:
+                        how: Calibration = Calibration()) -> list:
     """Measure c and v per placement and return them ranked by the cost model, best
     first (available placements before unavailable ones).
 
     model: the loaded SpelModel; weights: its weights dict (needed by the C draft;
     without it the C placements are reported as not available); k: speculation depth
-    (default cfg.spec_k); threads: C draft thread counts to try (default 1, 2, and the
-    SPEL_DRAFT_THREADS value, capped at the cores and 6); alpha: acceptance used for the
-    projected figure only (the order does not depend on it)."""
+    (default cfg.spec_k); how: Calibration."""
+    threads, drafts, alpha, prompt, reps = how.threads, how.drafts, how.alpha, how.prompt, how.reps
     cfg = model.cfg
     k = cfg.spec_k if k is None else int(k)
     if not 1 <= k <= 16:
@@ -157,9 +171,9 @@ def calibrate_placement(model, weights: dict | None = None, k: int | None = None
     if threads is None:
         cores = os.cpu_count() or 1
         want = {1, 2}
-        env = os.environ.get("SPEL_DRAFT_THREADS", "").strip()
-        if env.isdigit():
-            want.add(int(env))
+        env = setting("SPEL_DRAFT_THREADS")
+        if env is not None:
+            want.add(env)
         threads = sorted(t for t in want if 1 <= t <= min(cores, MAX_THREADS)) or [1]
     else:
         threads = [int(t) for t in threads]
@@ -217,14 +231,15 @@ def calibrate_placement(model, weights: dict | None = None, k: int | None = None
                 p.projected = speedup(alpha, k, p.c, p.v)
             out.append(p)
     ranked = sorted([p for p in out if p.available], key=lambda p: p.round_cost)
-    if include_unavailable:
+    if how.include_unavailable:
         ranked += [p for p in out if not p.available]
     return ranked
 
 
-def choose_placement(model, weights: dict | None = None, **kw) -> Placement:
+def choose_placement(model, weights: dict | None = None, k: int | None = None,
+                     how: Calibration = Calibration()) -> Placement:
     """The best available placement (``calibrate_placement(...)[0]``)."""
-    ranked = calibrate_placement(model, weights, include_unavailable=False, **kw)
+    ranked = calibrate_placement(model, weights, k, replace(how, include_unavailable=False))
     if not ranked:
         raise PlacementError("no placement could be calibrated on this machine")
     return ranked[0]
@@ -268,7 +283,8 @@ def apply_placement(p: Placement, model, weights: dict | None = None, k: int | N
     if not p.available:
         raise PlacementError(f"{p.name}: {p.reason}")
     mx.set_default_device(mx_device(p.target_device))
-    proposer = make_proposer(p.draft, model, weights, k=p.k if k is None else k, threads=p.threads or 1)
+    proposer = make_proposer(p.draft, model, weights, k=p.k if k is None else k,
+                             options=DraftOptions(threads=p.threads or 1))
     if p.draft == "mlx" and p.draft_device != p.target_device:
         proposer = DeviceProposer(proposer, p.draft_device)
     return proposer

@@ -97,8 +97,8 @@ def propose_stepwise(forward, history, pending, k, params, seed):
         logits = forward(tok, j)
         if j == k:
             break
-        (tok,), probs = smp.sample_rows(np.asarray(logits)[None], ctx, len(ctx), len(history) + 1 + j, params,
-                                        seed, want_probs=qs is not None)
+        (tok,), probs = smp.sample_rows(np.asarray(logits)[None], ctx, len(ctx), params, (seed, len(history) + 1 + j),
+                                        want_probs=qs is not None)
         if qs is not None:
             qs.append(probs[0])
         ctx.append(tok)

@@ -242,16 +242,17 @@ def residual_round(probs, qs, proposal, seed: int, index0: int):
 _C_ROWS = clib.lib if clib.lib is not None and hasattr(clib.lib, "spel_sample_rows") else None
 
 
-def sample_rows(rows, seq, n_ctx: int, index0: int, params: SamplingParams, seed: int,
-                want_probs: bool = False):
+def sample_rows(rows, seq, n_ctx: int, params: SamplingParams, noise_at: tuple, want_probs: bool = False):
     """(tokens, probs) of M positions in one step: row j of `rows` [M, V] is the position
-    of sequence index index0 + j, and its penalty sees the window of seq[:n_ctx + j]
-    (seq: the context, then the tokens of rows 0..M-2).  tokens[j] is the coupled sample
+    of sequence index index0 + j (`noise_at` = (seed, index0): where in the call's noise
+    stream row 0 draws), and its penalty sees the window of seq[:n_ctx + j] (seq: the
+    context, then the tokens of rows 0..M-2).  tokens[j] is the coupled sample
     (temperature 0: the argmax of the penalized logits); probs [M, V] the distributions
     (want_probs).  The C transforms for float32 rows, else ``sample_rows_reference``."""
     rows = np.asarray(rows)
     if _C_ROWS is None or rows.dtype != np.float32:
-        return sample_rows_reference(rows, seq, n_ctx, index0, params, seed, want_probs)
+        return sample_rows_reference(rows, seq, n_ctx, params, noise_at, want_probs)
+    seed, index0 = noise_at
     ffi = clib.ffi
     rows = np.ascontiguousarray(rows)
     M, V = rows.shape
@@ -271,8 +272,9 @@ def sample_rows(rows, seq, n_ctx: int, index0: int, params: SamplingParams, seed
     return toks.tolist(), probs
 
 
-def sample_rows_reference(rows, seq, n_ctx, index0, params: SamplingParams, seed: int, want_probs=False):
+def sample_rows_reference(rows, seq, n_ctx, params: SamplingParams, noise_at: tuple, want_probs=False):
     """sample_rows in numpy (the reference of the C version)."""
+    seed, index0 = noise_at
     seq = [int(t) for t in seq]
     toks, probs = [], []
     for j, row in enumerate(np.asarray(rows)):

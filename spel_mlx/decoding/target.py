@@ -47,7 +47,7 @@ class TargetRunner:
 
     @property
     def kv_cache(self) -> str:
-        """The K/V cache dtype's name (spel_mlx.state.KV_DTYPES)."""
+        """The K/V cache dtype's name (spel_mlx.model.state.KV_DTYPES)."""
         return self.state.kv_cache
 
     def reset(self):

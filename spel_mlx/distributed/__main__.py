@@ -1,6 +1,6 @@
-"""``python -m spel_mlx.distributed``: a batch of requests on a pipeline (see batch.py)."""
+"""``python -m spel_mlx.distributed``: the distributed command (spel_mlx/cli/distributed.py)."""
 import sys
 
-from .batch import main
+from spel_mlx.cli.distributed import main
 
 sys.exit(main())

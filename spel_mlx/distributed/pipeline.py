@@ -15,7 +15,6 @@ STATS, and STOP on close.  Other ranks call ``serve``.
 """
 from __future__ import annotations
 
-import os
 import threading
 import time
 import zlib
@@ -26,6 +25,7 @@ import mlx.core as mx
 
 from ..api.loading import LoadedModel
 from ..checkpoints.rules import implied_memory, machine_memory
+from ..settings import SettingError, setting
 from ..model.backends import DeviceError, device_scope, placement_device
 from ..loading import LoadError, checkpoint_path, decoding_config, decoding_tokenizer, reading_checkpoint, select_ops
 from .link import (NO_CONTROL, PING, STATS, STATS_FIELDS, STOP, Header, Link, PipelineError, StageCounters,
@@ -35,7 +35,6 @@ from .split import draft_tensor_names, split_layers
 from .stage import CheckpointTensors, StageModel
 from .worker import serve as serve_stage
 
-DEFAULT_TIMEOUT = 30.0      # seconds any rank waits for a message (SPEL_PIPELINE_TIMEOUT)
 START_TIMEOUT = 600.0       # loading: the slowest rank's load, at least
 FINGERPRINT = ("ok", "d_model", "n_layers", "n_heads", "head_dim", "d_ff", "vocab", "max_seq", "attn_period",
                "checksum")
@@ -43,11 +42,10 @@ FINGERPRINT = ("ok", "d_model", "n_layers", "n_heads", "head_dim", "d_ff", "voca
 
 def pipeline_timeout(timeout=None) -> float:
     if timeout is None:
-        raw = os.environ.get("SPEL_PIPELINE_TIMEOUT", "").strip()
         try:
-            timeout = float(raw) if raw else DEFAULT_TIMEOUT
-        except ValueError:
-            raise LoadError(f"SPEL_PIPELINE_TIMEOUT={raw!r}: expected seconds") from None
+            timeout = setting("SPEL_PIPELINE_TIMEOUT")
+        except SettingError as e:
+            raise LoadError(str(e)) from None
     if not timeout > 0:
         raise LoadError(f"pipeline timeout {timeout!r}: must be > 0 seconds")
     return float(timeout)
@@ -68,6 +66,7 @@ class Pipeline:
         self.broken = self.closed = False
         self.final_stats = None
         self._last_post = time.monotonic()
+        self.pings = 0                      # the keepalive's pings so far (tests idle by them)
         if self.rank == 0:
             threading.Thread(target=self._keepalive, name="spel-pipeline-keepalive", daemon=True).start()
 
@@ -152,6 +151,7 @@ class Pipeline:
         echo = self.link.recv_header("the keepalive's echo")
         if echo != h:
             raise PipelineError(f"protocol: the keepalive {h} came back as {echo}")
+        self.pings += 1
 
 
 def _fingerprint(cfg, tensors) -> list:

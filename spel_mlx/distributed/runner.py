@@ -22,6 +22,13 @@ from .link import DISCARD, NO_CONTROL, RESET, RUN, STRICT, WANT_ARGMAX, WANT_LOG
 
 
 class PipelineTarget:
+    """TargetRunner's interface for a target split across processes; what it cannot do
+    is declared, not missing: no pass is built before its token is known, none ahead."""
+    looks_ahead = looks_ahead_sampled = False
+    build_next = None
+    passes_built = 0             # the pass shapes are built on the other ranks
+    kv_cache = "float32"         # the stages keep float32 K/V caches
+
     def __init__(self, pipe, ring: int, strict: bool = False):
         self.pipe, self.stage = pipe, pipe.stage
         self.cfg = self.stage.cfg

@@ -21,7 +21,7 @@ from ..model.backends import device_name, runs_on
 from ..model.layers import Block, RMSNorm
 from ..model.linear import Linear
 from ..model.passes import run_pass
-from ..state import DecodeState
+from ..model.state import DecodeState
 from .split import Stage
 
 

@@ -14,7 +14,7 @@ import time
 
 import mlx.core as mx
 
-from ..state import StateError
+from ..model.state import StateError
 from .link import (DISCARD, NO_CONTROL, OPS, PING, RESET, RUN, STATS, STOP, STRICT, WANT_ARGMAX, WANT_LOGITS,
                    WANT_NOTHING, Link, PipelineError, StageCounters)
 

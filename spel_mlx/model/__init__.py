@@ -7,6 +7,7 @@
     layers.py       RMSNorm, MLP, GatedDeltaNet, Attention, Block (SPEC 2)
     spel_model.py   SpelModel: weights, decoding forward, training forward
     passes.py       the compiled decoding pass and its per-layer caches
+    state.py        DecodeState: the KV caches and GDN rings a pass reads and writes (SPEC 4)
     training_ops.py the training forward's ops, SPEC 3 fake quantization
     init.py         initial weights
     cpu_ops.py, metal_ops.py   fused CPU primitives, Metal kernels as ops

@@ -18,13 +18,13 @@ Metal on a Metal GPU, the fused primitives on the CPU when built, else plain MLX
 """
 from __future__ import annotations
 
-import os
 from contextlib import contextmanager
 
 import mlx.core as mx
 
 from ..metal import executors
 from ..metal.launch import KERNELS
+from ..settings import raw as raw_setting, setting
 from . import cpu_ops
 from .ops import MLXOps
 
@@ -136,7 +136,7 @@ def runs_on(ops, device: str) -> bool:
 
 def auto_ops(device=None) -> MLXOps:
     """The ops a model starts with on ``device`` (None: the current default device)."""
-    if os.environ.get("SPEL_KERNELS", "auto").strip().lower() in ("auto", "cpu", "") \
+    if setting("SPEL_KERNELS") in ("auto", "cpu") \
             and device_name(device) == "cpu" and cpu_ops.available():
         return cpu_ops.CPUFusedOps()
     return MLXOps()
@@ -145,7 +145,7 @@ def auto_ops(device=None) -> MLXOps:
 def resolve(path: str | None = None, device=None) -> str:
     """The ops path for ``device`` (None: the current default device): ``path``, else
     SPEL_KERNELS, else auto; a path that cannot run there is a DeviceError."""
-    p = (path or os.environ.get("SPEL_KERNELS") or "auto").strip().lower()
+    p = (path or setting("SPEL_KERNELS")).strip().lower()
     if p not in PATHS:
         raise ValueError("kernel path %r: expected one of %s (argument or SPEL_KERNELS)"
                          % (p, ", ".join(PATHS)))
@@ -186,7 +186,7 @@ def describe() -> str:
         p = _selected or resolve()
     except ValueError as e:
         return "invalid: %s" % e
-    how = "selected" if _selected else "auto" if not os.environ.get("SPEL_KERNELS") else "SPEL_KERNELS"
+    how = "selected" if _selected else "auto" if not raw_setting("SPEL_KERNELS") else "SPEL_KERNELS"
     if p == "metal":
         if not executors.metal_available():
             return "metal (%s) requested, but Metal is unavailable here: select() will fail" % how

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from .. import cpu_features
-from ..cpu_features import attention_helper, simd_cap
+from ..platform import cpu_features
+from ..platform.cpu_features import attention_helper, simd_cap
 from .ops import MLXOps
 
 try:

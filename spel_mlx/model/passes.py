@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from .. import huge_pages
+from ..platform import huge_pages
 
 MIN_WINDOW = 64  # smallest attention window of a pass
 

@@ -16,7 +16,7 @@ from mlx.utils import tree_flatten, tree_unflatten
 
 from .. import layout
 from ..config import ModelConfig
-from ..state import DecodeState, StateError
+from .state import DecodeState, StateError
 from .backends import auto_ops, device_name, runs_on
 from .layers import Block, DraftStack, RMSNorm
 from .linear import Linear, row_block

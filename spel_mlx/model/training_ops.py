@@ -66,8 +66,8 @@ def fake_quant_linear(x, w, scheme: str | None):
 def fused() -> bool:
     """Whether the training forward uses the fused CPU bodies: the module is built for
     this MLX and the default device is the CPU (SPEL_TRAIN_FUSED=0 turns them off)."""
-    import os
-    return (os.environ.get("SPEL_TRAIN_FUSED", "1") != "0" and cpu_ops.available()
+    from ..settings import setting
+    return (setting("SPEL_TRAIN_FUSED") and cpu_ops.available()
             and mx.default_device() == mx.cpu)
 
 

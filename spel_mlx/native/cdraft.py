@@ -9,12 +9,12 @@ benchmarks), the pool, and a standalone quantized matrix for the kernel benchmar
 """
 from __future__ import annotations
 
-import os
 
 import numpy as np
 
 from ..config import ModelConfig
-from ..cpu_features import simd_cap
+from ..platform.cpu_features import simd_cap
+from ..settings import setting
 from .clib import ffi, lib
 from .clib import require as _lib
 
@@ -61,11 +61,7 @@ def _resolve(kernel) -> int:
 
 def threads_from_env(threads) -> int:
     if threads is None:
-        raw = os.environ.get("SPEL_DRAFT_THREADS", "").strip()
-        try:
-            threads = int(raw) if raw else 1
-        except ValueError:
-            raise ValueError(f"SPEL_DRAFT_THREADS={raw!r}: not an integer") from None
+        threads = setting("SPEL_DRAFT_THREADS") or 1
     threads = int(threads)
     if not 1 <= threads <= MAX_THREADS:
         raise ValueError(f"draft threads={threads}: must be in 1..{MAX_THREADS}")

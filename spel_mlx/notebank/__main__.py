@@ -1,5 +1,6 @@
+"""``python -m spel_mlx.notebank``: the notebank command (spel_mlx/cli/notebank.py)."""
 import sys
 
-from .cli import main
+from spel_mlx.cli.notebank import main
 
 sys.exit(main())

@@ -9,11 +9,10 @@ Sources (see docs/training.md for why these two):
 The held-out split is contiguous ~8 KB blocks, every 50th block of each source
 (block index % 50 == 25), cut at line ends; training never sees them.
 
-    python -m spel_mlx.corpus [--out data/corpus] [--sources austen,kjv]
+    python -m spel_mlx corpus [--out data/corpus] [--sources austen,kjv]
 """
 from __future__ import annotations
 
-import argparse
 import os
 import re
 import shutil
@@ -21,7 +20,6 @@ import struct
 import subprocess
 import zlib
 
-from .._cli import guarded
 from ..atomic import write_json, write_text
 from ..tokenizer import EOT_LINE
 
@@ -247,18 +245,3 @@ def prepare(out_dir: str, sources=SOURCES) -> dict:
     write_text(os.path.join(out_dir, "heldout.txt"), "".join(held_parts), encoding="ascii")
     write_json(os.path.join(out_dir, "manifest.json"), manifest)
     return manifest
-
-
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m spel_mlx.corpus", description=__doc__.split("\n")[0])
-    ap.add_argument("--out", default="data/corpus")
-    ap.add_argument("--sources", default=",".join(SOURCES))
-    a = ap.parse_args(argv)
-
-    def run():
-        m = prepare(a.out, [s.strip() for s in a.sources.split(",") if s.strip()])
-        for s, v in m["sources"].items():
-            print(f"{s}: {v['bytes']} bytes, train {v['train_bytes']}, held-out {v['heldout_bytes']}")
-        return 0
-    return guarded(run, (CorpusError,))
-

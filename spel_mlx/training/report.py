@@ -4,11 +4,10 @@ distribution overlap at T 0.7 (teacher-forced), greedy and sampled speculative
 acceptance alpha at K on held-out prompts (the real C draft through ``spel_mlx.generate``), and
 sample continuations.
 
-    python -m spel_mlx.train_report [--checkpoint spel_mlx/assets/default] [--data data/corpus]
+    python -m spel_mlx train-report [--model spel_mlx/assets/default] [--data data/corpus]
 """
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import os
@@ -19,9 +18,6 @@ import tempfile
 import mlx.core as mx
 import numpy as np
 
-from .._cli import guarded
-from ..atomic import write_json
-from ..checkpoints.load import DEFAULT_DIR
 from .data import eval_windows
 from .steps import kl_target_draft
 
@@ -32,7 +28,7 @@ SAMPLE_PROMPTS = ("It is a truth universally acknowledged, that",
 
 
 def heldout_eval(ckpt_path: str, data_dir: str, seq: int = 256, max_tokens: int = 0, chunk: int = 64) -> dict:
-    from ..checkpoints import load_checkpoint
+    from ..reader import load_checkpoint
     from ..model import SpelModel
     from ..tokenizer import encode_documents, load_tokenizer
     ck = load_checkpoint(ckpt_path)
@@ -137,36 +133,3 @@ def samples(ckpt_path: str, max_tokens: int = 80) -> list:
                         str(max_tokens), "--temperature", "0", "--repetition-penalty", "1.2"])
     out.append({"prompt": SAMPLE_PROMPTS[0], "settings": "greedy, repetition penalty 1.2", "text": txt.strip()})
     return out
-
-
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m spel_mlx.train_report", description=__doc__.split("\n")[0])
-    ap.add_argument("--checkpoint", default=str(DEFAULT_DIR))
-    ap.add_argument("--data", default="data/corpus")
-    ap.add_argument("--out", default="", help="write the report JSON here too")
-    ap.add_argument("--prompts", type=int, default=8)
-    ap.add_argument("--k", type=int, default=4, help="draft length of the alpha runs")
-    ap.add_argument("--skip", default="", help="comma list of parts to skip: eval,alpha,samples")
-    a = ap.parse_args(argv)
-    return guarded(lambda: _report(a), (OSError, ValueError, RuntimeError))
-
-
-def _report(a) -> int:
-    skip = set(filter(None, a.skip.split(",")))
-    rep = {"checkpoint": a.checkpoint}
-    if "eval" not in skip:
-        rep["heldout"] = heldout_eval(a.checkpoint, a.data)
-        print(json.dumps(rep["heldout"]), flush=True)
-    if "alpha" not in skip:
-        rep["alpha"] = alpha_on_heldout(a.checkpoint, a.data, n_prompts=a.prompts, k=a.k)
-        print(json.dumps(rep["alpha"]), flush=True)
-        rep["alpha_sampled"] = alpha_on_heldout(a.checkpoint, a.data, n_prompts=a.prompts, k=a.k, sampled=True)
-        print(json.dumps(rep["alpha_sampled"]), flush=True)
-    if "samples" not in skip:
-        rep["samples"] = samples(a.checkpoint)
-        for s in rep["samples"]:
-            print(f"--- {s['settings']}\n{s['text']}\n", flush=True)
-    if a.out:
-        write_json(a.out, rep)
-    return 0
-

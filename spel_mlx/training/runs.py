@@ -82,7 +82,8 @@ def load_start(path: str):
     if has_checkpoint(path) or (os.path.isdir(path) and not os.path.exists(os.path.join(path, "config.json"))):
         state, cfg, params, _, _ = load_checkpoint_dir(path)   # names ckpt/state.json when missing
         return state["train"]["mode"], cfg, params
-    from ..checkpoints import CheckpointError, load_checkpoint
+    from ..checkpoints import CheckpointError
+    from ..reader import load_checkpoint
     try:
         ck = load_checkpoint(path)
     except (CheckpointError, OSError) as e:

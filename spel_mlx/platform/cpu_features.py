@@ -15,29 +15,18 @@ by the AVX-512 tiles as binary16, widened exactly: the same bits, half the bytes
 """
 from __future__ import annotations
 
-import os
+from ..settings import SETTINGS, setting
 
-LEVELS = ("auto", "avx512", "avx2", "none")
+LEVELS = SETTINGS["SPEL_SIMD"].choices
 
 
 def simd_cap() -> str:
-    level = os.environ.get("SPEL_SIMD", "auto").strip().lower() or "auto"
-    if level not in LEVELS:
-        raise ValueError(f"SPEL_SIMD={level!r}: expected one of {', '.join(LEVELS)}")
-    return level
-
-
-def env_switch(name: str) -> bool:
-    """An on/off environment variable, on by default: 1/on or 0/off, else a ValueError."""
-    raw = os.environ.get(name, "1").strip().lower() or "1"
-    if raw not in ("0", "1", "off", "on"):
-        raise ValueError(f"{name}={raw!r}: expected 0 or 1")
-    return raw in ("1", "on")
+    return setting("SPEL_SIMD")
 
 
 def attention_helper() -> bool:
-    return env_switch("SPEL_ATTENTION_HELPER")
+    return setting("SPEL_ATTENTION_HELPER")
 
 
 def half_weights() -> bool:
-    return env_switch("SPEL_HALF_WEIGHTS")
+    return setting("SPEL_HALF_WEIGHTS")

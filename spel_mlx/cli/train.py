@@ -1,37 +1,39 @@
 """MLX trainer for the target model and QAT distillation of the draft.
 
-    python -m spel_mlx.train target --run runs/target --config d_model=256,... --budget-min 45
-    python -m spel_mlx.train draft  --run runs/draft --init runs/target --budget-min 15
-    python -m spel_mlx.train export --run runs/draft --out spel_mlx/assets/default
-    python -m spel_mlx.train onpolicy --init runs/target --out runs/onpolicy.npy --minutes 6
-    python -m spel_mlx.train draft  --run runs/sampled --init spel_mlx/assets/default \
+    python -m spel_mlx train target --run runs/target --config d_model=256,... --budget-min 45
+    python -m spel_mlx train draft  --run runs/draft --init runs/target --budget-min 15
+    python -m spel_mlx train export --run runs/draft --out spel_mlx/assets/default --force
+    python -m spel_mlx train onpolicy --init runs/target --out runs/onpolicy.npy --minutes 6
+    python -m spel_mlx train draft  --run runs/sampled --init spel_mlx/assets/default \
                                     --onpolicy W.npy --distill-temperature 0.7
-    python -m spel_mlx.train all    (corpus -> tokenizer -> target -> draft -> on-policy
+    python -m spel_mlx train all --force   (corpus -> tokenizer -> target -> draft -> on-policy
                                      windows -> draft on them -> export; re-run to resume)
 
-Re-running the same command on an existing run directory resumes it.
+Re-running the same command on an existing run directory resumes it.  An output that
+exists (export's --out and a --spelw given, onpolicy's --out, all's --out) is replaced only
+with --force, checked before any work.
 """
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import os
 
-from .._cli import guarded
+from ..atomic import refuse_existing
 from ..config import ConfigError
-from .config import DEFAULT_SHAPE, TrainConfig, TrainError, model_config
-from .export import export_run
-from .loop import train
-from .onpolicy import SAMPLINGS, generate_onpolicy
-from .pipeline import train_all
+from ..training.config import DEFAULT_SHAPE, TrainConfig, TrainError, model_config
+from ..training.export import export_run
+from ..training.loop import train
+from ..training.onpolicy import SAMPLINGS, generate_onpolicy
+from ..training.pipeline import train_all
+from . import args as shared
+from .errors import guarded
 
 
 def _add_train_args(p, mode: str):
     d = TrainConfig(mode=mode)
     p.add_argument("--run", required=True, help="run directory (resumed if it has a checkpoint)")
-    p.add_argument("--config", default=DEFAULT_SHAPE if mode == "target" else "",
-                   help="model shape, k=v,... (target mode)")
+    shared.config(p, default=DEFAULT_SHAPE if mode == "target" else "", help="model shape, k=v,... (target mode)")
     for f in dataclasses.fields(TrainConfig):
         if f.name in ("mode",):
             continue
@@ -48,8 +50,8 @@ def _tc_from_args(a, mode: str) -> TrainConfig:
     return TrainConfig(mode=mode, **kw)
 
 
-def _parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="python -m spel_mlx.train", description=__doc__.split("\n")[0])
+def build_parser() -> shared.Parser:
+    ap = shared.parser("train", __doc__.split("\n")[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
     _add_train_args(sub.add_parser("target", help="train the target model"), "target")
     _add_train_args(sub.add_parser("draft", help="QAT-distil the draft from a target run"), "draft")
@@ -59,6 +61,7 @@ def _parser() -> argparse.ArgumentParser:
     e.add_argument("--dtype", default="float16", choices=["float16", "bfloat16", "float32"])
     e.add_argument("--data", default="data/corpus")
     e.add_argument("--spelw", default="", help="where the FP32 SPELW001 file goes (default RUN/model.spelw)")
+    shared.force(e, "an existing --out or --spelw")
     g = sub.add_parser("onpolicy", help="target-generated windows for draft distillation (--onpolicy)")
     g.add_argument("--init", required=True, help="the trained target: a run directory or an exported model")
     g.add_argument("--out", required=True, help=".npy file to write")
@@ -73,10 +76,11 @@ def _parser() -> argparse.ArgumentParser:
                    help="the sampled rows: t0.8 (T 0.8, top-p 0.95) or defaults (as generate: "
                         "T 0.7, top-p 0.95, repetition penalty 1.1)")
     g.add_argument("--greedy-share", type=float, default=0.5, help="share of the rows decoded greedily")
+    shared.force(g, "an existing --out")
     al = sub.add_parser("all", help="corpus, tokenizer, target, draft and export in one go")
     al.add_argument("--runs", default="runs")
     al.add_argument("--data", default="data/corpus")
-    al.add_argument("--config", default=DEFAULT_SHAPE)
+    shared.config(al, default=DEFAULT_SHAPE, help=f"model shape, k=v,... (default {DEFAULT_SHAPE})")
     al.add_argument("--target-min", type=float, default=60.0)
     al.add_argument("--draft-min", type=float, default=20.0)
     al.add_argument("--onpolicy-min", type=float, default=6.0,
@@ -91,10 +95,21 @@ def _parser() -> argparse.ArgumentParser:
     al.add_argument("--out", default="spel_mlx/assets/default")
     al.add_argument("--tokenizer-out", default="", help="where the SentencePiece model goes "
                     "(default spel_mlx/assets/tokenizer.model)")
+    shared.force(al, "an existing --out (the shipped model by default)")
     return ap
 
 
+def outputs(a) -> list:
+    """What the subcommand writes that may exist already (a run directory is resumed)."""
+    if a.cmd == "export":
+        return [a.out, a.spelw]          # (the default RUN/model.spelw belongs to the run)
+    if a.cmd in ("onpolicy", "all"):
+        return [a.out]
+    return []
+
+
 def _run(a) -> int:
+    refuse_existing(outputs(a), a.cmd in ("target", "draft") or a.force)
     if a.cmd in ("target", "draft"):
         if a.cmd == "draft" and a.config:
             raise TrainError("draft mode takes its shape from --init; drop --config")
@@ -116,6 +131,5 @@ def _run(a) -> int:
 
 
 def main(argv=None) -> int:
-    a = _parser().parse_args(argv)
-    return guarded(lambda: _run(a), (TrainError, ConfigError),
+    return guarded(lambda: _run(build_parser().parse_args(argv)), (TrainError, ConfigError, FileExistsError),
                    interrupted="interrupted (the last checkpoint is kept; re-run the same command to resume)")

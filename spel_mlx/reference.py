@@ -1,17 +1,25 @@
-"""Independent loop-based numpy (float64) forward of SPEC 2, for tests only.
+"""The independent float64 reference of SPEC 2 and of the quantized draft (SPEC 3):
+what the tests compare the MLX model and the C draft against, and what golden.py's
+numpy paths compute.
 
 Written straight from the spec, one token at a time, without sharing code with
-spel_mlx.model.  ``matvec(name, W, x)`` computes every linear map of the
-layers (name = the tensor name, e.g. ``draft.layers.1.mlp.w1.weight``); the
-default is ``W @ x`` in float64.  The quantized-draft reference plugs its
-q8/ternary GEMVs in there.  Embedding, norms, conv, decay, beta, final norm and
-the LM head stay float64 (the head is computed with plain ``W @ x``).
+spel_mlx.model.  ``matvec(name, W, x)`` computes every linear map of the layers
+(name = the tensor name, e.g. ``draft.layers.1.mlp.w1.weight``); the default is
+``W @ x`` in float64.  The quantized draft plugs in the reference q8/ternary GEMVs of
+spel_mlx.quant (``quantized_matvec``): q8 wqkv/wo, ternary w1/w3/w2, each input
+quantized per vector to int8, int32-exact dots.  Embedding, norms, conv, decay, beta,
+final norm and the LM head stay float64 (the head is computed with plain ``W @ x``).
 """
 from __future__ import annotations
 
 import math
 
 import numpy as np
+
+from . import quant
+
+Q8 = ("mixer.wqkv.weight", "mixer.wo.weight")
+TERNARY = ("mlp.w1.weight", "mlp.w3.weight", "mlp.w2.weight")
 
 
 def _rmsnorm(x, g, eps):
@@ -112,3 +120,27 @@ def forward_reference(cfg, weights, tokens, stack="target", matvec=None):
             x = x + matvec(p + "mlp.w2.weight", w[p + "mlp.w2.weight"], g)
         out.append(w["lm_head.weight"] @ _rmsnorm(x, w["final_norm.weight"], eps))
     return np.array(out)
+
+
+def quantized_matvec(weights: dict):
+    """A ``matvec(name, W, x)`` hook for forward_reference: quantized for the draft's
+    projections, float64 W @ x for anything else."""
+    cache = {}
+
+    def matvec(name, W, x):
+        leaf = name.split(".", 3)[-1] if name.startswith("draft.layers.") else None
+        if leaf in Q8 or leaf in TERNARY:
+            if name not in cache:
+                w32 = np.asarray(weights[name], dtype=np.float32)
+                cache[name] = quant.quantize_q8(w32) if leaf in Q8 else quant.quantize_ternary(w32)
+            q, s = cache[name]
+            xq, sx = quant.quantize_activation(np.asarray(x, dtype=np.float32))
+            return quant._scale(s, sx, quant.dot_q8_int(q, xq)).astype(np.float64)
+        return W @ x
+
+    return matvec
+
+
+def draft_logits_reference(cfg, weights: dict, tokens) -> np.ndarray:
+    """Quantized-draft logits [n, V] (float64) for tokens fed one per position from reset."""
+    return forward_reference(cfg, weights, list(tokens), stack="draft", matvec=quantized_matvec(weights))

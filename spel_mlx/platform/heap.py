@@ -18,7 +18,7 @@ from __future__ import annotations
 import ctypes
 import sys
 
-from .cpu_features import env_switch
+from ..settings import setting
 
 M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3     # mallopt parameters (malloc.h)
 MMAP_THRESHOLD = 32 << 20     # glibc's largest on 64-bit (HEAP_MAX_SIZE / 2)
@@ -42,7 +42,7 @@ def state() -> str:
 def _apply() -> str:
     if not sys.platform.startswith("linux"):
         return "off (not Linux)"
-    if not env_switch("SPEL_HEAP_TUNING"):
+    if not setting("SPEL_HEAP_TUNING"):
         return "off (SPEL_HEAP_TUNING=0)"
     try:
         libc = ctypes.CDLL(None)

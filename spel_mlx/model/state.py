@@ -21,8 +21,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from . import huge_pages
-from .config import ModelConfig
+from ..platform import huge_pages
+from ..config import ModelConfig
 
 import mlx.core as mx  # noqa: E402  (spel_mlx is imported first: BLAS loaded)
 

@@ -1,13 +1,13 @@
-"""``python -m spel_mlx.notebank demo``: the needle demo from the command line."""
+"""``python -m spel_mlx notebank demo``: the needle demo from the command line."""
 from __future__ import annotations
 
-import argparse
 import os
 
-from .._cli import guarded
 from ..atomic import write_json
-from .config import QUERY_SOURCES, NoteBankConfig, NoteBankError
-from .demo import format_table, run_demo, toy_model
+from ..notebank.config import QUERY_SOURCES, NoteBankConfig, NoteBankError
+from ..notebank.demo import format_table, run_demo, toy_model
+from . import args as shared
+from .errors import guarded
 
 
 def _load_for_demo(args):
@@ -18,9 +18,9 @@ def _load_for_demo(args):
         label = (f"toy 128d/8L random weights (seed {args.model_seed}, "
                  f"{'GDN q tied to k' if tie else 'independent q/k'})")
         return toy_model(args.model_seed, tie_qk=tie), ByteTokenizer(), label
-    from ..checkpoints import load_checkpoint
+    from ..reader import load_checkpoint
     from ..model import SpelModel
-    ck = load_checkpoint(args.checkpoint)
+    ck = load_checkpoint(args.model)
     tok_path = None
     if os.path.isdir(ck.source) and os.path.isfile(os.path.join(ck.source, "tokenizer.model")):
         tok_path = os.path.join(ck.source, "tokenizer.model")
@@ -51,13 +51,11 @@ def _demo(args) -> int:
     return 0
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m spel_mlx.notebank",
-                                 description="NoteBank episodic memory: the needle demo.")
+def build_parser() -> shared.Parser:
+    ap = shared.parser("notebank", "NoteBank episodic memory: the needle demo.")
     sub = ap.add_subparsers(dest="cmd", required=True)
     d = sub.add_parser("demo", help="three planted KEY_n=VALUE; needles, notes, query ?KEY_n=")
-    d.add_argument("--checkpoint", help="SPELW001 file or safetensors folder "
-                   "(default: $SPEL_WEIGHTS, else the shipped spel_mlx/assets/default)")
+    shared.model(d)
     d.add_argument("--toy", action="store_true", help="random-weight 128d/8L toy model, byte vocab")
     d.add_argument("--toy-untied", action="store_true",
                    help="toy with independent random q/k (addressing by q is then chance)")
@@ -74,8 +72,16 @@ def main(argv=None) -> int:
                    help="fraction of channels whose distinctiveness scores a position (1 = mean)")
     d.add_argument("--spec-tokens", type=int, default=16, help="speculative run length (0: skip)")
     d.add_argument("--json", help="also write the measurements to this JSON file (atomically)")
-    args = ap.parse_args(argv)
+    return ap
+
+
+def _run(argv) -> int:
+    args = build_parser().parse_args(argv)
     if args.toy_untied:
         args.toy = True
+    return _demo(args)
+
+
+def main(argv=None) -> int:
     # config, checkpoint, tokenizer and state errors are ValueError or OSError
-    return guarded(lambda: _demo(args), (ValueError, OSError), prog="notebank demo")
+    return guarded(lambda: _run(argv), (ValueError, OSError), prog="notebank demo")

@@ -28,6 +28,8 @@ import sysconfig
 import tempfile
 import warnings
 
+from ..settings import setting
+
 _INFO: dict = {"kind": "not-loaded", "path": None, "detail": "", "threads": None}
 _KEEP: list = []  # keep ctypes handles alive for the life of the process
 _SET_THREADS = None  # the loaded OpenBLAS's set_num_threads, once known
@@ -53,9 +55,11 @@ def set_blas_threads(n: int) -> None:
 
 
 def _default_threads() -> int:
-    raw = os.environ.get("SPEL_BLAS_THREADS") or os.environ.get("OPENBLAS_NUM_THREADS") or "1"
-    try:
-        return max(1, int(raw))
+    threads = setting("SPEL_BLAS_THREADS")
+    if threads is not None:
+        return threads
+    try:      # OpenBLAS's own variable, as OpenBLAS reads it: a bad value is its default
+        return max(1, int(os.environ.get("OPENBLAS_NUM_THREADS") or "1"))
     except ValueError:
         return 1
 
@@ -160,9 +164,7 @@ def ensure_blas() -> dict:
     if not sys.platform.startswith("linux"):
         _INFO.update(kind="platform-default", detail="macOS: MLX uses Accelerate")
         return blas_info()
-    choice = os.environ.get("SPEL_BLAS", "auto").strip().lower()
-    if choice not in ("auto", "numpy", "system", "reference"):
-        raise ValueError(f"SPEL_BLAS={choice!r}: expected auto, numpy, system or reference")
+    choice = setting("SPEL_BLAS")
     if "mlx.core" in sys.modules:
         _INFO.update(kind="reference", detail="mlx.core was imported before spel_mlx; "
                      "import spel_mlx first to get the fast BLAS")

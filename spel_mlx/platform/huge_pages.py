@@ -18,7 +18,7 @@ import sys
 import mlx.core as mx
 import numpy as np
 
-from .cpu_features import env_switch
+from ..settings import setting
 
 HUGE = 2 << 20
 MADV_HUGEPAGE = 14
@@ -46,7 +46,7 @@ def state() -> str:
     """What `back` does here: "on", or "off (why)"."""
     if not sys.platform.startswith("linux"):
         return "off (not Linux)"
-    if not env_switch("SPEL_HUGE_PAGES"):
+    if not setting("SPEL_HUGE_PAGES"):
         return "off (SPEL_HUGE_PAGES=0)"
     mode = thp_mode()
     if mode in (None, "never"):
