@@ -100,7 +100,7 @@ _DECLARED = (
     Setting("SPEL_ATTENTION_HELPER", "switch", True, "past 512 cached tokens the target's attention shares "
             "key chunks with a helper thread (the same bits either way)"),
     Setting("SPEL_HALF_WEIGHTS", "switch", True, "weights that are exactly binary16 values are read as "
-            "float16 blocks by the AVX-512 tiles (the same bits, half the bytes)"),
+            "float16 blocks by the linear tiles (AVX-512, or AVX2 with FMA and F16C: the same bits, half the bytes)"),
     Setting("SPEL_TRAIN_FUSED", "switch", True, "the training forward uses the fused CPU bodies "
             "(and their backward) where they are built"),
     Setting("SPEL_HUGE_PAGES", "switch", True, "map the target's weights and KV caches with 2 MB pages (Linux)"),

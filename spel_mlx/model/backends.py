@@ -200,7 +200,8 @@ def describe() -> str:
         simd = cpu_ops._spel_cpu.simd()
         return ("cpu (%s): fused CPU primitives (spel_mlx._spel_cpu, %s): FFN, GDN and attention "
                 "sub-blocks, linear, RMSNorm; SIMD %s%s; attention helper thread %s" % (
-                    how, why, simd, ", AVX-512 linear tiles" if simd == "avx512" else ", BLAS linear",
+                    how, why, simd, f", {simd.upper()} linear tiles" if cpu_ops._spel_cpu.fma_chain_linear()
+                    else ", BLAS linear",
                     cpu_ops._spel_cpu.helper_state()))
     gpu = gpu_backend()
     if device_name() == "gpu":

@@ -204,7 +204,7 @@ class SpelModel(nn.Module):
     def rows_independent(self, stack: str, M: int) -> bool:
         """True when an M-row pass gives every row exactly the bits of a single-token
         pass: the ops say so, and every weight's row blocks at 1 and M rows are whole
-        16-column vectors (the AVX-512 tiles; others go to the BLAS)."""
+        16-column vectors (the linear tiles; others go to the BLAS)."""
         if not self.ops.rows_independent():
             return False
         key = ("rows_independent", stack, M, device_name())

@@ -2,7 +2,8 @@
 of CPUs without AVX-512 (or without SIMD) on a machine that has it.
 
     SPEL_SIMD=auto     the best the CPU has (default)
-    SPEL_SIMD=avx2     no AVX-512: the target's products go to BLAS, the draft uses its AVX2 kernel
+    SPEL_SIMD=avx2     no AVX-512: the target's products are the AVX2 tiles (where the CPU has
+                       FMA and F16C; else the BLAS), the draft uses its AVX2 kernel
     SPEL_SIMD=none     the scalar references everywhere
 
 SPEL_ATTENTION_HELPER=0 keeps the target's attention over a long cache on one thread
@@ -11,7 +12,7 @@ CPUs; the same bits either way).
 
 SPEL_HALF_WEIGHTS=0 keeps the target's weight blocks in float32 (default 1: a matrix
 whose every weight is exactly a binary16 value, as a float16 checkpoint's are, is read
-by the AVX-512 tiles as binary16, widened exactly: the same bits, half the bytes).
+by the linear tiles as binary16, widened exactly: the same bits, half the bytes).
 """
 from __future__ import annotations
 
