@@ -65,11 +65,12 @@ class DecodeOptions:
     bit-exact verification path), `governor` (GovernorConfig; None: the default),
     `forced_alpha` (mode forced's acceptance), `runner(ring, strict)`: the target side
     when it is not the model in this process (a pipeline across processes,
-    spel_mlx.distributed; TargetRunner's interface)."""
+    spel_mlx.distributed; TargetRunner's interface), `rows_hook`: see _sample_rows."""
     strict: bool = False
     governor: GovernorConfig | None = None
     forced_alpha: float | None = None
     runner: object = None
+    rows_hook: object = None
 
 
 class SpeculativeDecoder:
@@ -92,6 +93,8 @@ class SpeculativeDecoder:
         self.proposer = proposer if mode != "ar" else None
         self.mode, self.k, self.strict = mode, k, strict
         self.params = params.validate()
+        # with a rows_hook every round reads its rows on the host (_sample_rows)
+        self.rows_hook, self.argmax = options.rows_hook, self.params.plain_greedy and options.rows_hook is None
         self.governor_cfg = governor or GovernorConfig()
         self.forced_alpha = forced_alpha
         ring = self._longest() + 1
@@ -253,7 +256,7 @@ class SpeculativeDecoder:
         known: from the lazy argmax, or (sampling, a penalty) from host token ids."""
         if not self.lookahead:
             return False
-        return self.target.looks_ahead if self.params.plain_greedy else self.target.looks_ahead_sampled
+        return self.target.looks_ahead if self.argmax else self.target.looks_ahead_sampled
 
     def _ar_stretch(self, gov, k: int, remaining: int) -> int:
         """AR rounds to run looking ahead: the ones the governor asks for before it drafts
@@ -276,7 +279,7 @@ class SpeculativeDecoder:
             return self._sample_rows(row[None, :], history, last[0], [])[0][0]
 
         st = self.stats
-        steps = self.target.ar_tokens(pending, count, None if self.params.plain_greedy else pick)
+        steps = self.target.ar_tokens(pending, count, None if self.argmax else pick)
         try:
             while True:
                 ta, built = time.perf_counter(), self._passes_built()
@@ -357,7 +360,7 @@ class SpeculativeDecoder:
         params, st = self.params, self.stats
         m = len(proposal)
         ta = time.perf_counter()
-        argmax = params.plain_greedy
+        argmax = self.argmax
         if self._next is not None or self._builds_ahead(m):
             out = self._verify_ahead(pending, proposal, argmax)
             targ, rows = (out, None) if argmax else (None, out)
@@ -391,10 +394,14 @@ class SpeculativeDecoder:
         return n, targ[n]
 
     def _sample_rows(self, rows, history, pending, proposal, want_probs=False):
-        """(tokens, probs) of the rows [M, V] over [pending] + proposal after `history`."""
+        """(tokens, probs) of the rows [M, V] over [pending] + proposal after `history`; a
+        rows_hook(rows, history, pending, proposal, sample) decides instead (on the host)."""
         W = self.params.window
         ctx = (history[-W:] if W else []) + [pending]
-        return smp.sample_rows(rows, ctx + proposal, len(ctx), self.params, (self.seed, len(history) + 1), want_probs)
+
+        def sample(rows):
+            return smp.sample_rows(rows, ctx + proposal, len(ctx), self.params, (self.seed, len(history) + 1), want_probs)
+        return sample(rows) if self.rows_hook is None else self.rows_hook(rows, history, pending, proposal, sample)
 
     def _builds_ahead(self, m: int) -> bool:
         """Whether a round of m proposals builds the next verification ahead."""

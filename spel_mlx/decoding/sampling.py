@@ -19,6 +19,7 @@ Two lossless rules (``SamplingParams.accept``, docs/decoding.md):
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -45,18 +46,18 @@ class SamplingParams:
     accept: str = DEFAULT_ACCEPT    # the lossless rule of sampled speculation: ACCEPT_RULES
 
     def validate(self) -> "SamplingParams":
-        if not (self.temperature >= 0.0) or not np.isfinite(self.temperature):
-            raise SamplingError(f"temperature={self.temperature!r}: must be >= 0")
-        if not isinstance(self.top_k, int) or self.top_k < 0:
+        if not (_real(self.temperature) and self.temperature >= 0.0):
+            raise SamplingError(f"temperature={self.temperature!r}: must be a number >= 0")
+        if not _integer(self.top_k) or self.top_k < 0:
             raise SamplingError(f"top_k={self.top_k!r}: must be an integer >= 0 (0 = off)")
-        if not (0.0 < self.top_p <= 1.0):
-            raise SamplingError(f"top_p={self.top_p!r}: must be in (0, 1]")
-        if not (self.repetition_penalty > 0.0) or not np.isfinite(self.repetition_penalty):
-            raise SamplingError(f"repetition_penalty={self.repetition_penalty!r}: must be > 0")
-        if not isinstance(self.repetition_window, int) or self.repetition_window < 0:
+        if not (_real(self.top_p) and 0.0 < self.top_p <= 1.0):
+            raise SamplingError(f"top_p={self.top_p!r}: must be a number in (0, 1]")
+        if not (_real(self.repetition_penalty) and self.repetition_penalty > 0.0):
+            raise SamplingError(f"repetition_penalty={self.repetition_penalty!r}: must be a number > 0")
+        if not _integer(self.repetition_window) or self.repetition_window < 0:
             raise SamplingError(f"repetition_window={self.repetition_window!r}: must be >= 0")
         # checked here: a negative seed only fails later, deep inside numpy's SeedSequence
-        if self.seed is not None and (not isinstance(self.seed, (int, np.integer)) or self.seed < 0):
+        if self.seed is not None and (not _integer(self.seed) or self.seed < 0):
             raise SamplingError(f"seed={self.seed!r}: must be an integer >= 0")
         if self.accept not in ACCEPT_RULES:
             raise SamplingError(f"accept={self.accept!r}: expected one of {', '.join(ACCEPT_RULES)}")
@@ -82,6 +83,20 @@ class SamplingParams:
 
 
 GREEDY = SamplingParams()
+
+
+def _integer(x) -> bool:
+    return isinstance(x, (int, np.integer)) and not isinstance(x, (bool, np.bool_))
+
+
+def _real(x) -> bool:
+    """A finite number (not a bool, a string, or an int too large for a float)."""
+    if not (_integer(x) or isinstance(x, (float, np.floating))):
+        return False
+    try:
+        return math.isfinite(x)
+    except OverflowError:
+        return False
 
 
 def make_rng(seed: int | None) -> np.random.Generator:
