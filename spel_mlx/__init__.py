@@ -12,7 +12,7 @@ except SettingError as e:   # a bad SPEL_* value: raised by the API's first use,
     _bad_setting = e
 
 __version__ = "0.1.0"
-_API = ("load", "generate", "stream_generate")
+_API = ("load", "generate", "stream_generate", "make_prompt_cache")
 __all__ = ["blas_info", "ensure_blas", "set_blas_threads", "__version__", *_API]
 
 

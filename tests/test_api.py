@@ -47,19 +47,19 @@ def test_greedy_text_is_the_engines(shipped):
     model, tok = shipped
     want = ar_tokens(model, tok, PROMPT, 40)
     for opts in ({"mode": "ar"}, {}, {"draft": "mlx"}, {"draft": "ngram", "k": 6}, {"mode": "governed"}):
-        responses = list(spel_mlx.stream_generate(model, tok, PROMPT, 40, temperature=0, **opts))
+        responses = list(spel_mlx.stream_generate(model, tok, PROMPT, 40, rounds=True, temperature=0, **opts))
         tokens = [t for r in responses for t in r.tokens]
         assert tokens == want, opts
         text = "".join(r.text for r in responses)
         assert text == "".join(t for r in responses for t in r.token_text)
-        assert spel_mlx.generate(model, tok, PROMPT, 40, temperature=0, **opts) == text
+        assert spel_mlx.generate(model, tok, PROMPT, max_tokens=40, temperature=0, **opts) == text
         full, head = tok.decode(tok.encode(PROMPT) + want), tok.decode(tok.encode(PROMPT))
         assert full == head + text
 
 
 def test_rounds_report_draft_and_correction(shipped):
     model, tok = shipped
-    responses = list(spel_mlx.stream_generate(model, tok, PROMPT, 60, temperature=0))
+    responses = list(spel_mlx.stream_generate(model, tok, PROMPT, 60, rounds=True, temperature=0))
     *rounds, last = responses
     st = last.stats
     assert last.finish_reason == "length" and st["stop_reason"] == "max_tokens" and st["tokens"] == 60
@@ -72,26 +72,26 @@ def test_rounds_report_draft_and_correction(shipped):
     assert [r.generation_tokens for r in rounds] == list(
         __import__("itertools").accumulate(len(r.tokens) for r in rounds))
     assert last.alpha == pytest.approx(st["alpha"], abs=1e-4) and last.tok_s > 0
-    ar = list(spel_mlx.stream_generate(model, tok, PROMPT, 5, temperature=0, mode="ar"))
+    ar = list(spel_mlx.stream_generate(model, tok, PROMPT, 5, rounds=True, temperature=0, mode="ar"))
     assert [r.from_draft for r in ar[:-1]] == [[False]] * 5 and ar[-1].stats["proposed"] == 0
     # the oracle (the target as its own draft, strict) has every proposal accepted
-    oracle = list(spel_mlx.stream_generate(model, tok, PROMPT, 21, temperature=0, mode="oracle", strict=True))
+    oracle = list(spel_mlx.stream_generate(model, tok, PROMPT, 21, rounds=True, temperature=0, mode="oracle", strict=True))
     assert [r.from_draft for r in oracle[:-1]] == [[True] * 4 + [False]] * 4 + [[False]]
 
 
 def test_seed_reproducible(shipped):
     model, tok = shipped
-    a = spel_mlx.generate(model, tok, PROMPT, 40, seed=3)
-    assert spel_mlx.generate(model, tok, PROMPT, 40, seed=3) == a
-    assert spel_mlx.generate(model, tok, PROMPT, 40, seed=4) != a
+    a = spel_mlx.generate(model, tok, PROMPT, max_tokens=40, seed=3)
+    assert spel_mlx.generate(model, tok, PROMPT, max_tokens=40, seed=3) == a
+    assert spel_mlx.generate(model, tok, PROMPT, max_tokens=40, seed=4) != a
 
 
 def test_stop_strings_end_the_text(shipped):
     model, tok = shipped
-    full = spel_mlx.generate(model, tok, PROMPT, 40, temperature=0)
+    full = spel_mlx.generate(model, tok, PROMPT, max_tokens=40, temperature=0)
     for stop in (full[7:10], full[-3:], full[:2]):
         cut = full[:full.index(stop)]
-        responses = list(spel_mlx.stream_generate(model, tok, PROMPT, 40, temperature=0, stop=["@@", stop]))
+        responses = list(spel_mlx.stream_generate(model, tok, PROMPT, 40, rounds=True, temperature=0, stop=["@@", stop]))
         assert "".join(r.text for r in responses) == cut
         assert responses[-1].finish_reason == "stop" and responses[-1].stats["stop_reason"] == "stop_string"
         assert responses[-1].generation_tokens == responses[-1].stats["tokens"] < 40
@@ -138,9 +138,26 @@ def test_detokenizer_equals_one_shot_decode(kind):
     ({"repetition_penalty": 0}, "repetition_penalty"), ({"seed": -2}, "seed"), ({"k": 0}, "k"),
     ({"k": 17}, "k"), ({"mode": "fast"}, "mode"), ({"draft": "big"}, "draft"), ({"draft_threads": 9}, "draft_threads"),
     ({"draft_ahead": "maybe"}, "draft_ahead"), ({"draft_context": -5}, "draft_context"),
-    ({"draft_context": 1.5}, "draft_context"), ({"max_tokens": -1}, "max_tokens"), ({"stop": [""]}, "stop"),
+    ({"draft_context": 1.5}, "draft_context"), ({"max_tokens": -2}, "max_tokens"), ({"stop": [""]}, "stop"),
     ({"prompt": ""}, "prompt"), ({"prompt": "a " * 5000}, "prompt"), ({"prompt": [5000]}, "prompt"),
     ({"mode": "forced"}, "forced_alpha"),
+    # wrong types (issue 36): each names its parameter, never a TypeError from deep inside
+    ({"temperature": "0.5"}, "temperature"), ({"top_p": "0.9"}, "top_p"), ({"top_k": 2.0}, "top_k"),
+    ({"top_k": True}, "top_k"), ({"seed": True}, "seed"), ({"repetition_penalty": "x"}, "repetition_penalty"),
+    ({"temperature": 10 ** 400}, "temperature"), ({"temperature": float("nan")}, "temperature"),
+    ({"draft": 5}, "draft"), ({"governor": "cost"}, "governor"), ({"stop": 5}, "stop"), ({"stop": [5]}, "stop"),
+    ({"strict": "yes"}, "strict"), ({"max_tokens": 1.0}, "max_tokens"), ({"max_tokens": True}, "max_tokens"),
+    ({"prompt": "a\ud800b"}, "prompt"), ({"prompt": [1.0, 2]}, "prompt"), ({"prompt": ["1", "2"]}, "prompt"),
+    ({"prompt": [True, 5]}, "prompt"), ({"prompt": b"ab"}, "prompt"), ({"prompt": None}, "prompt"),
+    ({"prompt": [[1, 2]]}, "prompt"), ({"prompt": __import__("numpy").array([1.5])}, "prompt"),
+    ({"no_such_option": 1}, "no_such_option"), ({"sampler": 3}, "sampler"),
+    ({"logits_processors": lambda t, x: x}, "logits_processors"),
+    ({"sampler": lambda x: x, "temperature": 0.5}, "temperature"), ({"num_draft_tokens": "2"}, "num_draft_tokens"),
+    ({"num_draft_tokens": 2, "k": 3}, "num_draft_tokens"), ({"draft_model": "big"}, "draft_model"),
+    ({"draft_model": "mlx", "draft": "c"}, "draft_model"), ({"draft_model": 3.5}, "draft_model"),
+    ({"max_kv_size": 512}, "max_kv_size"), ({"kv_bits": 4}, "kv_bits"), ({"prompt_cache": []}, "prompt_cache"),
+    ({"input_embeddings": [0.5]}, "input_embeddings"), ({"prefill_step_size": 0}, "prefill_step_size"),
+    ({"logprobs": "yes"}, "logprobs"), ({"prompt_progress_callback": 3}, "prompt_progress_callback"),
 ])
 def test_bad_arguments_name_the_parameter(shipped, kwargs, param):
     model, tok = shipped
@@ -178,9 +195,9 @@ def test_cancel_between_rounds(shipped):
 
 def test_one_generation_at_a_time(shipped):
     model, tok = shipped
-    want = {s: spel_mlx.generate(model, tok, PROMPT, 48, seed=s) for s in (1, 2, 3, 4)}
+    want = {s: spel_mlx.generate(model, tok, PROMPT, max_tokens=48, seed=s) for s in (1, 2, 3, 4)}
     got = {}
-    threads = [threading.Thread(target=lambda s=s: got.__setitem__(s, spel_mlx.generate(model, tok, PROMPT, 48, seed=s)))
+    threads = [threading.Thread(target=lambda s=s: got.__setitem__(s, spel_mlx.generate(model, tok, PROMPT, max_tokens=48, seed=s)))
                for s in want]
     for t in threads:
         t.start()
@@ -217,14 +234,14 @@ def test_generation_ends_on_the_end_of_text_token(shipped, opts):
     "stop", stop_reason "end_of_text", the same tokens as the run without it cut there."""
     model, tok = shipped
     kw = {"temperature": 0, **opts}
-    free = [t for r in spel_mlx.stream_generate(model, tok, PROMPT, 40, **kw) for t in r.tokens]
+    free = [t for r in spel_mlx.stream_generate(model, tok, PROMPT, 40, rounds=True, **kw) for t in r.tokens]
     eot = free[9]
-    responses = list(spel_mlx.stream_generate(model, _EotTokenizer(tok, eot), PROMPT, 40, **kw))
+    responses = list(spel_mlx.stream_generate(model, _EotTokenizer(tok, eot), PROMPT, 40, rounds=True, **kw))
     tokens = [t for r in responses for t in r.tokens]
     assert tokens == free[:free.index(eot) + 1]
     assert responses[-1].finish_reason == "stop" and responses[-1].stats["stop_reason"] == "end_of_text"
     # a token the target never emits leaves the run as it was (negative control)
     unused = next(i for i in range(tok.vocab_size) if i not in free)
-    again = [t for r in spel_mlx.stream_generate(model, _EotTokenizer(tok, unused), PROMPT, 40, **kw)
+    again = [t for r in spel_mlx.stream_generate(model, _EotTokenizer(tok, unused), PROMPT, 40, rounds=True, **kw)
              for t in r.tokens]
     assert again == free

@@ -31,7 +31,7 @@ def test_every_greedy_mode_gives_its_own_ar_text(half):
     want = ar.generate(prompt, 40)
     assert ar.target.state.k_cache[ar.target.state.attn_layers[0]].dtype == mx.float16
     for opts in ({}, {"draft": "mlx"}, {"draft": "c", "strict": True}, {"draft": "ngram", "k": 6}):
-        responses = spel_mlx.stream_generate(model, tok, PROMPT, 40, temperature=0, **opts)
+        responses = spel_mlx.stream_generate(model, tok, PROMPT, 40, rounds=True, temperature=0, **opts)
         assert [t for r in responses for t in r.tokens] == list(want), opts
 
 

@@ -1,9 +1,15 @@
-"""The Python API: ``load``, ``generate``, ``stream_generate`` (see generation.py)."""
+"""The Python API, as mlx-lm's: ``load``, ``generate``, ``stream_generate``,
+``make_prompt_cache`` (see generation.py; docs/api.md)."""
+from .cache import PromptCache, make_prompt_cache
 from .engine import GovernorConfig
-from .generation import (DEFAULT_MAX_TOKENS, DEFAULT_REPETITION_PENALTY, DEFAULT_TEMPERATURE, DEFAULT_TOP_P,
-                         GenerationError, GenerationResponse, Request, generate, prepare, stream_generate)
+from .errors import GenerationError
+from .generation import GenerationResponse, generate, stream_generate
 from .loading import LoadedModel, LoadError, NoCheckpoint, load
+from .options import (DEFAULT_MAX_TOKENS, DEFAULT_REPETITION_PENALTY, DEFAULT_TEMPERATURE, DEFAULT_TOP_P,
+                      prepare)
+from .request import Request, RoundResponse
 
-__all__ = ["load", "generate", "stream_generate", "prepare", "Request", "GenerationResponse",
-           "GenerationError", "LoadError", "NoCheckpoint", "LoadedModel", "GovernorConfig",
-           "DEFAULT_MAX_TOKENS", "DEFAULT_TEMPERATURE", "DEFAULT_TOP_P", "DEFAULT_REPETITION_PENALTY"]
+__all__ = ["load", "generate", "stream_generate", "make_prompt_cache", "prepare", "Request", "GenerationResponse",
+           "RoundResponse", "PromptCache", "GenerationError", "LoadError", "NoCheckpoint", "LoadedModel",
+           "GovernorConfig", "DEFAULT_MAX_TOKENS", "DEFAULT_TEMPERATURE", "DEFAULT_TOP_P",
+           "DEFAULT_REPETITION_PENALTY"]

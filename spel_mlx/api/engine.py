@@ -7,17 +7,19 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-# SamplingParams, checked_prompt and DEFAULT_ACCEPT are re-exported: generation.py reaches decoding only here
-from ..decoding import (MODES, PROPOSER_KINDS, DecodeError, DecodeOptions, GovernorConfig,  # noqa: F401
-                        SamplingParams, SpeculativeDecoder)
+# re-exported (SamplingParams, GREEDY, Proposer, checked_prompt, DEFAULT_ACCEPT): the API reaches decoding only here
+from ..decoding import (GREEDY, MODES, PROPOSER_KINDS, DecodeError, DecodeOptions, GovernorConfig,  # noqa: F401
+                        Proposer, SamplingParams, SpeculativeDecoder)
 from ..decoding.ahead import usable_cpus
 from ..decoding.c_proposer import DRAFT_CONTEXT, checked_draft_context
 from ..decoding import governor_store
 from ..decoding.factory import DraftOptions, default_draft_threads, make_proposer
+from ..decoding.mlx_proposer import MLXProposer
 from ..decoding.loop import MAX_K, checked_prompt  # noqa: F401
 from ..decoding.sampling import DEFAULT_ACCEPT, SamplingError  # noqa: F401
 from ..model.backends import device_scope
 from ..native import clib
+from .loading import LoadedModel
 
 DRAFTS = PROPOSER_KINDS
 MAX_DRAFT_THREADS = 6
@@ -28,7 +30,7 @@ SettingsError = (DecodeError, SamplingError)
 @dataclass(frozen=True)
 class DecodeSettings:
     mode: str = "spec"                 # see MODES; forced and oracle are benchmark-only
-    draft: object = None               # a name of DRAFTS, a Proposer, or None: c when built, else mlx
+    draft: object = None               # a name of DRAFTS, a Proposer, a LoadedModel, or None: the default
     k: int | None = None               # proposals per round (None: the config's spec_k)
     strict: bool = False
     draft_threads: int | None = None   # C draft workers (None: SPEL_DRAFT_THREADS, else 1)
@@ -43,6 +45,7 @@ class Round:
     tokens: list        # emitted this round (trimmed by a stop token or max_tokens)
     accepted: int       # the leading `accepted` tokens are draft proposals the target accepted
     proposed: int       # draft proposals verified this round (0: an AR round)
+    rows: object = None  # the target's logits of each token (numpy [n, V]) where a RowHook kept them
 
 
 class Cancelled(Exception):
@@ -57,8 +60,12 @@ def check(settings: DecodeSettings, cfg) -> None:
     if isinstance(k, bool) or not isinstance(k, int) or not (1 <= k <= MAX_K):
         raise DecodeError(f"k={k!r}: must be an integer in 1..{MAX_K}")
     kind = settings.draft
-    if isinstance(kind, str) and kind not in DRAFTS:
+    if not (kind is None or isinstance(kind, (Proposer, LoadedModel)) or (isinstance(kind, str) and kind in DRAFTS)):
         raise DecodeError(f"draft={kind!r}: expected one of {', '.join(DRAFTS)}")
+    if settings.governor is not None and not isinstance(settings.governor, GovernorConfig):
+        raise DecodeError(f"governor={settings.governor!r}: a GovernorConfig (e.g. GovernorConfig(policy='cost'))")
+    if not isinstance(settings.strict, bool):
+        raise DecodeError(f"strict={settings.strict!r}: True or False")
     if settings.mode == "oracle" and kind not in (None, "target"):
         raise DecodeError(f"draft={kind!r} conflicts with mode oracle, which drafts with the full target")
     if kind == "c" and not clib.available():
@@ -67,13 +74,14 @@ def check(settings: DecodeSettings, cfg) -> None:
     t = settings.draft_threads
     if t is not None and (isinstance(t, bool) or not isinstance(t, int) or not 1 <= t <= MAX_DRAFT_THREADS):
         raise DecodeError(f"draft_threads={t!r}: must be an integer in 1..{MAX_DRAFT_THREADS}")
-    if settings.draft_ahead not in ("auto", "on", "off"):
+    if not isinstance(settings.draft_ahead, str) or settings.draft_ahead not in ("auto", "on", "off"):
         raise DecodeError(f"draft_ahead={settings.draft_ahead!r}: expected auto, on or off")
     try:
         checked_draft_context(settings.draft_context)
     except ValueError as e:
         raise DecodeError(str(e)) from None
     if settings.mode == "forced" and not (isinstance(settings.forced_alpha, (int, float))
+                                          and not isinstance(settings.forced_alpha, bool)
                                           and 0.0 <= settings.forced_alpha <= 1.0):
         raise DecodeError(f"forced_alpha={settings.forced_alpha!r}: mode forced needs one in [0, 1]")
 
@@ -95,8 +103,13 @@ def _proposer(loaded, settings: DecodeSettings, k: int, params):
     kind = settings.draft
     if settings.mode == "ar":
         return None
-    if not isinstance(kind, (str, type(None))):
+    if isinstance(kind, Proposer):
         return kind                                           # a ready proposer (placement)
+    if isinstance(kind, LoadedModel):                         # another model: its whole stack drafts
+        key = ("model", id(kind.model), k, settings.strict)
+        if key not in loaded.drafts:
+            loaded.drafts[key] = MLXProposer(kind.model, "target", ring=k + 1, strict=settings.strict)
+        return _cached(loaded.drafts, key)
     if settings.mode == "oracle":
         kind = "target"
     if kind is None:
@@ -108,18 +121,21 @@ def _proposer(loaded, settings: DecodeSettings, k: int, params):
         ahead = settings.draft_ahead == "on"
     ahead = ahead if kind in ("c", "auto") else False
     key = (kind, k, threads, ahead, settings.strict, settings.draft_context)
-    cache = loaded.drafts
-    if key in cache:
-        cache.move_to_end(key)
-        return cache[key]
-    proposer = make_proposer(kind, loaded.model, loaded.weights, k=k,
-                             options=DraftOptions(threads=threads, strict=settings.strict,
-                                                  auto_fallback="c" if clib.available() else "mlx", ahead=ahead,
-                                                  draft_context=settings.draft_context))
-    cache[key] = proposer
+    if key not in loaded.drafts:
+        loaded.drafts[key] = make_proposer(kind, loaded.model, loaded.weights, k=k,
+                                           options=DraftOptions(threads=threads, strict=settings.strict,
+                                                                auto_fallback="c" if clib.available() else "mlx",
+                                                                ahead=ahead, draft_context=settings.draft_context))
+    return _cached(loaded.drafts, key)
+
+
+def _cached(cache, key):
+    """The proposer under `key`, now the most recently used; the oldest beyond
+    MAX_CACHED_DRAFTS are closed."""
+    cache.move_to_end(key)
     while len(cache) > MAX_CACHED_DRAFTS:
         cache.popitem(last=False)[1].close()
-    return proposer
+    return cache[key]
 
 
 def _recall_governor(loaded, proposer, k: int, params):
@@ -136,10 +152,13 @@ def _recall_governor(loaded, proposer, k: int, params):
 
 class Decoding:
     """One decoding call.  `stats` is the engine's statistics dict, current after
-    every round (and after an interrupt)."""
+    every round (and after an interrupt).  `rows_hook`: a RowHook deciding the target's
+    tokens on the host (api/rows.py); `cache`: a PromptCache the call starts from and
+    leaves its state in."""
 
-    def __init__(self, loaded, settings: DecodeSettings, params):
+    def __init__(self, loaded, settings: DecodeSettings, params, rows_hook=None, cache=None):
         self.loaded, self.settings, self.params = loaded, settings, params
+        self.rows_hook, self.cache = rows_hook, cache
         self.decoder = None
         self._t0 = 0.0
 
@@ -152,36 +171,49 @@ class Decoding:
         st = self.decoder.stats
         dt = time.perf_counter() - self._t0 - st.prefill_s
         return {"alpha": st.alpha, "tokens_per_round": st.tokens_per_round,
-                "tok_s": st.tokens / dt if dt > 0 else 0.0, "rounds": st.rounds}
+                "tok_s": st.tokens / dt if dt > 0 else 0.0, "rounds": st.rounds,
+                "prompt_tps": st.prompt_tokens / st.prefill_s if st.prefill_s > 0 else 0.0}
 
     def run(self, prompt: list, max_tokens: int, on_round, should_stop=None, calibrate: bool = False,
             stop_tokens=()):
         """Decode; `on_round(Round)` after every round.  Returns the emitted tokens.
         `should_stop()` is asked after every round: True ends the call (Cancelled);
-        the target emitting one of `stop_tokens` ends it after that token.
-        The target runs on the loaded model's device (on this thread)."""
+        the target emitting one of `stop_tokens` ends it after that token.  The caller
+        holds the model (LoadedModel.hold); the target runs on its device (on this thread)."""
         s, loaded = self.settings, self.loaded
         k = loaded.cfg.spec_k if s.k is None else s.k
-        with loaded.lock, device_scope(loaded.device):
+        with device_scope(loaded.device):
             proposer = _proposer(loaded, s, k, self.params)
             store = _recall_governor(loaded, proposer, k, self.params)
             runner = loaded.pipeline.runner if loaded.pipeline is not None else None
+            if self.cache is not None:
+                runner = self.cache.runner(prompt)
             self.decoder = SpeculativeDecoder(loaded.model, proposer, s.mode, k=k, params=self.params,
                                               options=DecodeOptions(strict=s.strict, governor=s.governor,
-                                                                    forced_alpha=s.forced_alpha, runner=runner))
+                                                                    forced_alpha=s.forced_alpha, runner=runner,
+                                                                    rows_hook=self.rows_hook))
             self._t0 = time.perf_counter()
 
             def hook(r):
-                on_round(Round(list(r.emitted), len(r.accepted_tokens), len(r.proposed)))
+                rows = self.rows_hook.take(len(r.emitted)) if self.rows_hook is not None else None
+                on_round(Round(list(r.emitted), len(r.accepted_tokens), len(r.proposed), rows))
                 if should_stop is not None and should_stop():
                     raise Cancelled
 
+            ok = False
             try:
-                return self.decoder.generate(prompt, max_tokens, on_round=hook, calibrate=calibrate,
-                                             stop_tokens=stop_tokens)
+                out = self.decoder.generate(prompt, max_tokens, on_round=hook, calibrate=calibrate,
+                                            stop_tokens=stop_tokens)
+                ok = True
+                return out
+            except Cancelled:      # between rounds: the state is whole
+                ok = True
+                raise
             finally:
                 if store is not None:
                     governor_store.remember(store, proposer.governor_memory)
+                if self.cache is not None:
+                    self.cache.settle(self.decoder, prompt, ok)
 
     @property
     def draft_threads(self):

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 from ..config import ModelConfig
@@ -18,8 +19,8 @@ class LoadedModel:
     """What ``load`` returns as the model: the MLX target (with its FP32 draft layers),
     the FP32 weights the C draft quantizes its layers from, and the proposers built so
     far (reused across calls; `close` releases them).  One generation runs at a time
-    (`lock`): the C draft must never be entered from two threads.  `device` is where
-    the target runs, "cpu" | "gpu"; the C draft always runs on CPU cores."""
+    (`hold`, around `lock`): the C draft must never be entered from two threads.
+    `device` is where the target runs, "cpu" | "gpu"; the C draft always runs on CPU cores."""
 
     model: object            # spel_mlx.model.SpelModel (a pipeline: rank 0's StageModel)
     weights: dict
@@ -28,15 +29,38 @@ class LoadedModel:
     drafts: OrderedDict = field(default_factory=OrderedDict)
     lock: threading.Lock = field(default_factory=threading.Lock)
     pipeline: object = None  # a target split across processes (spel_mlx.distributed.Pipeline)
+    waiting: int = 0         # calls waiting for `lock` (a stream nobody reads gives way to them)
+    turn: threading.Condition = field(default_factory=threading.Condition)   # guards `waiting`
 
     @property
     def cfg(self) -> ModelConfig:
         return self.model.cfg
 
+    def announce(self, n: int):
+        """Count `n` more (or fewer) calls waiting for the model, and wake whoever watches."""
+        with self.turn:
+            self.waiting += n
+            self.turn.notify_all()
+
+    @contextmanager
+    def hold(self, announced: bool = False):
+        """The model for one generation; meanwhile the call counts in `waiting` (already
+        counted when `announced`: a stream counts itself when it is submitted)."""
+        if not announced:
+            self.announce(1)
+        try:
+            self.lock.acquire()
+        finally:
+            self.announce(-1)
+        try:
+            yield
+        finally:
+            self.lock.release()
+
     def close(self):
         """Close the cached proposers (the C draft's threads and buffers) and stop the
         pipeline's other processes, if any."""
-        with self.lock:
+        with self.hold():
             while self.drafts:
                 self.drafts.popitem()[1].close()
             if self.pipeline is not None:

@@ -44,7 +44,7 @@ class StopStrings:
 
     def __init__(self, stops=()):
         self.stops = [s for s in stops if s]
-        self.held: list = []        # pieces [token, text, from_draft] not released yet
+        self.held: list = []        # pieces [token, text, ...] not released yet (the rest rides along)
         self.hit = False
 
     def feed(self, pieces: list) -> list:
@@ -72,11 +72,11 @@ class StopStrings:
         """The held pieces whose text lies before `upto` (cut at it when partial)."""
         out, at = [], 0
         while self.held:
-            token, text, origin = self.held[0]
+            token, text, *rest = self.held[0]
             if at + len(text) <= upto or (not text and at < upto):
                 out.append(self.held.pop(0))
             elif partial and at < upto:
-                out.append([token, text[:upto - at], origin])
+                out.append([token, text[:upto - at], *rest])
                 self.held.pop(0)
             else:
                 break
