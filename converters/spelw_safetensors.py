@@ -19,7 +19,7 @@ import numpy as np
 
 from spel_mlx.config import ModelConfig
 from spel_mlx.layout import GOLDEN_DRAFT, GOLDEN_TARGET, GOLDEN_TOKENS, tensor_specs
-from spel_mlx.checkpoints.files import AtomicFile, Progress, check_destination
+from spel_mlx.checkpoints.files import AtomicFile, Progress, StagedFolder, check_destination
 from spel_mlx.checkpoints.footer import Golden, footer_nbytes
 from spel_mlx.checkpoints.rules import (STORED_FIELDS, CheckpointError, check_golden_count, config_from_fields, load_json,
                                         read_json_file)
@@ -207,14 +207,14 @@ class SafetensorsModel:
         return sum(e.end - e.start for e in self.entries.values())
 
 
-def _make_dir(dst_dir):
-    created = not os.path.exists(dst_dir)
+def _check_dir(dst_dir):
     if os.path.exists(dst_dir) and not os.path.isdir(dst_dir):
         raise CheckpointError(dst_dir, "destination exists and is not a folder")
     if os.path.exists(os.path.join(dst_dir, INDEX_FILE)):
         raise CheckpointError(dst_dir, f"destination holds a sharded model ({INDEX_FILE}); choose an empty folder")
-    os.makedirs(dst_dir, exist_ok=True)
-    return created
+    parent = os.path.dirname(os.path.abspath(os.path.normpath(dst_dir)))
+    if not os.path.isdir(parent):
+        raise CheckpointError(dst_dir, f"no such folder: {parent}")
 
 
 def spelw_to_safetensors(src, dst_dir, dtype: str = "F32", progress=None, golden: Golden | None = None):
@@ -247,24 +247,14 @@ def spelw_to_safetensors(src, dst_dir, dtype: str = "F32", progress=None, golden
         if name in sp.spans:
             sp.release(*sp.spans[name])
 
-    created = _make_dir(dst_dir)
-    try:
-        # config.json is staged first so both files appear only if the big one succeeds
-        cj = AtomicFile(os.path.join(dst_dir, CONFIG_FILE))
-        try:
+    _check_dir(dst_dir)
+    # both files are written in a staged folder beside dst_dir, which then appears whole
+    # (or, into an existing folder, both move in once both are written): checkpoints.files
+    with StagedFolder(dst_dir) as out:
+        write_safetensors(out.file(MODEL_FILE), entries, meta, progress=progress, after_each=drop)
+        with AtomicFile(out.file(CONFIG_FILE)) as cj:
             cj.f.write((json.dumps(config_json(cfg, {"F32": "float32", "F16": "float16", "BF16": "bfloat16"}[dtype]),
                                    indent=2) + "\n").encode())
-            write_safetensors(os.path.join(dst_dir, MODEL_FILE), entries, meta, progress=progress, after_each=drop)
-            cj.commit()
-        finally:
-            cj.abort()
-    except BaseException:
-        if created:
-            try:
-                os.rmdir(dst_dir)
-            except OSError:
-                pass
-        raise
     return os.path.join(dst_dir, MODEL_FILE)
 
 

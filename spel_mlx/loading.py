@@ -15,14 +15,15 @@ class NoCheckpoint(Exception):
 
 
 def find_tokenizer_path(tokenizer, ckpt_path: str, vocab: int):
-    """The tokenizer given, else one beside the checkpoint, else None (the shipped one)."""
+    """The tokenizer given, else one beside the checkpoint (any entry of that name: one
+    that cannot be read is an error, never a fall back), else None (the shipped one)."""
     if tokenizer:
         return tokenizer
     if vocab == 128:  # the original's ASCII byte vocabulary, whatever lies beside the file
         return None
     folder = ckpt_path if os.path.isdir(ckpt_path) else os.path.dirname(os.path.abspath(ckpt_path))
     beside = os.path.join(folder, "tokenizer.model")
-    return beside if os.path.isfile(beside) else None
+    return beside if os.path.lexists(beside) else None
 
 
 def checkpoint_path(checkpoint=None) -> str:

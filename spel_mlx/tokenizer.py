@@ -51,8 +51,14 @@ class SentencePieceTokenizer:
 
     def __init__(self, path: str = DEFAULT_SP_MODEL):
         import sentencepiece as spm
+        if os.path.isdir(path):
+            raise TokenizerError(f"{path}: is a folder, not a SentencePiece model")
         if not os.path.exists(path):
             raise TokenizerError(f"{path}: SentencePiece model not found")
+        try:
+            open(path, "rb").close()
+        except OSError as e:
+            raise TokenizerError(f"{path}: cannot read ({e.strerror or e})") from None
         self.path = path
         self.sp = spm.SentencePieceProcessor()
         try:

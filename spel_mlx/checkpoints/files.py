@@ -1,10 +1,12 @@
 """File plumbing shared by the checkpoint formats: read-only maps whose pages can be
-dropped, float32 streaming writes, atomic temp-file-and-rename output, progress."""
+dropped, float32 streaming writes, atomic temp-file-and-rename output (files, and
+folders staged whole), progress."""
 from __future__ import annotations
 
 import mmap
 import os
 import re
+import shutil
 import sys
 import tempfile
 import time
@@ -113,14 +115,14 @@ def write_f32(f, arr) -> int:
     return 4 * a.size
 
 
-def _new_file_mode(path) -> int:
-    """The mode a plain open() would give: the old file's, else 0666 & ~umask."""
+def _new_file_mode(path, base: int = 0o666) -> int:
+    """The mode a plain open() (base 0o777: mkdir()) would give: the old one's, else base & ~umask."""
     try:
         return os.stat(path).st_mode & 0o777
     except OSError:
         mask = os.umask(0)
         os.umask(mask)
-        return 0o666 & ~mask
+        return base & ~mask
 
 
 class AtomicFile:
@@ -175,8 +177,61 @@ class AtomicFile:
         return False
 
 
+class StagedFolder:
+    """The files of a model folder ``path``, written into a temp folder beside it
+    (``.NAME.XXXXXXXX.tmp``, flock()ed like AtomicFile's temp files) and moved into
+    place only on commit(): a folder that did not exist (or was empty) appears whole,
+    by one rename; into an existing folder the staged files are moved by renames, which
+    need no space, so a disk that fills stops the conversion before anything moved.
+    ``file(name)`` is where to write one of them."""
+
+    def __init__(self, path):
+        self.path = os.path.normpath(os.fspath(path))
+        parent = os.path.dirname(os.path.abspath(self.path))
+        clean_stale_temps(self.path)
+        while True:
+            self.tmp_path = tempfile.mkdtemp(prefix=_temp_prefix(self.path), suffix=".tmp", dir=parent)
+            self._fd = os.open(self.tmp_path, os.O_RDONLY)
+            _lock(self._fd)
+            if os.path.isdir(self.tmp_path):    # not removed as stale between mkdtemp and the lock
+                break
+            os.close(self._fd)
+        os.chmod(self.tmp_path, _new_file_mode(self.path, 0o777))     # mkdtemp makes 0700
+        self.done = False
+
+    def file(self, name: str) -> str:
+        return os.path.join(self.tmp_path, name)
+
+    def commit(self):
+        os.fsync(self._fd)
+        if not os.path.isdir(self.path) or not os.listdir(self.path):
+            os.replace(self.tmp_path, self.path)          # an empty folder is replaced too
+        else:
+            for name in sorted(os.listdir(self.tmp_path)):
+                os.replace(self.file(name), os.path.join(self.path, name))
+            os.rmdir(self.tmp_path)
+        self.done = True
+        os.close(self._fd)
+
+    def abort(self):
+        if not self.done:
+            shutil.rmtree(self.tmp_path, ignore_errors=True)
+            os.close(self._fd)
+        self.done = True
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, et, ev, tb):
+        if et is None and not self.done:
+            self.commit()
+        else:
+            self.abort()
+        return False
+
+
 def _temp_prefix(path) -> str:
-    return "." + os.path.basename(path) + "."
+    return "." + os.path.basename(os.path.normpath(os.fspath(path))) + "."
 
 
 def _lock(fd, block: bool = True) -> bool:
@@ -190,9 +245,10 @@ def _lock(fd, block: bool = True) -> bool:
 
 
 def clean_stale_temps(path) -> list:
-    """Remove the temp files of earlier writes to ``path`` whose writer is gone (no
-    process holds their lock): what a conversion killed with SIGKILL leaves."""
-    d = os.path.dirname(os.path.abspath(path)) or "."
+    """Remove the temp files and staged folders of earlier writes to ``path`` whose
+    writer is gone (no process holds their lock): what a conversion killed with SIGKILL
+    leaves."""
+    d = os.path.dirname(os.path.abspath(os.path.normpath(os.fspath(path)))) or "."
     pattern = re.compile(re.escape(_temp_prefix(path)) + r"[A-Za-z0-9_]{8}\.tmp")
     try:
         names = [n for n in os.listdir(d) if pattern.fullmatch(n)]
@@ -207,7 +263,7 @@ def clean_stale_temps(path) -> list:
             continue
         try:
             if _lock(fd, block=False) and fcntl is not None:
-                os.unlink(p)
+                shutil.rmtree(p) if os.path.isdir(p) else os.unlink(p)
                 removed.append(p)
         except OSError:
             pass
