@@ -117,8 +117,13 @@ def test_1_max_seq_claim_allocates_nothing_up_front(tmp_path):
     r = limited_run(["spel_mlx.verify_weights", ok])
     assert r.returncode == 0 and "PASS" in r.stdout, r.stdout + r.stderr
     big = patch_u32(synth(tmp_path / "b.spelw", TINY.replace(head_dim=64, n_heads=1)), tmp_path / "b2.spelw",
-                    OFF_MAX_SEQ, 1 << 24)        # a 2^24-row RoPE table alone is ~20 GiB
+                    OFF_MAX_SEQ, 1 << 24)        # its RoPE table follows the positions used (was ~20 GiB)
     r = limited_run(["spel_mlx.verify_weights", big])
+    assert r.returncode == 0 and "PASS" in r.stdout, r.stdout + r.stderr
+    from test_spelw import tiny_tensors
+    wide = TINY.replace(n_heads=1, head_dim=8192)    # GDN state rings of 8192^2 floats a slot: ~8 GiB
+    write_spelw(tmp_path / "w.spelw", wide, tiny_tensors(wide))
+    r = limited_run(["spel_mlx.verify_weights", tmp_path / "w.spelw"])
     assert r.returncode == 2 and "loading it needs about" in r.stderr and "[memory]" in r.stderr, r.stderr
     assert r.stderr.count("\n") == 1
 

@@ -137,14 +137,16 @@ def implied_memory(cfg: ModelConfig) -> dict:
     """Bytes that loading a checkpoint for decoding allocates up front, by part.
 
     The KV caches are not in it: they grow with the positions used (spel_mlx.model.state,
-    neon/draft.c).  The RoPE table (spel_mlx.model.functional.rope_table) is built for max_seq
-    rows, in float64 then float32: about 40 bytes per (position, frequency).
+    neon/draft.c), and so do the RoPE tables (spel_mlx.model.functional.rope_table), except
+    the one the CPU pass plan captures for every position where max_seq <= 2^16
+    (functional.ROPE_ALL_ROWS): built in float64 then float32, about 40 bytes per
+    (position, frequency).
     """
     n_gdn = len(cfg.gdn_layers) + sum(1 for j in cfg.draft_map if not cfg.is_attention(j))
     ring = (cfg.spec_k + 1) * n_gdn * (cfg.n_heads * cfg.head_dim ** 2 + 2 * cfg.d_model) * 4
     return {"weights": 4 * (cfg.target_params() + cfg.draft_params()),
             "C draft": 4 * (2 * cfg.vocab * cfg.d_model + cfg.d_model) + cfg.draft_params(),
-            "RoPE table": 40 * cfg.max_seq * (cfg.head_dim // 2),
+            "RoPE table": 40 * (cfg.max_seq if cfg.max_seq <= 1 << 16 else 64) * (cfg.head_dim // 2),
             "GDN state rings": 2 * ring}
 
 

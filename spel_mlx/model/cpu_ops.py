@@ -72,7 +72,7 @@ class CPUFusedOps(MLXOps):
         # attention: two nodes around MLX's slice_update, which writes the cache rows in
         # place (a custom node never may: its outputs would share its inputs).  Its L2
         # norm and RoPE are C++: close to the separate ops, not bit-equal.
-        cos, sin = blk.mixer._rope_table
+        cos, sin = blk.mixer.rope_rows(cache.keys.shape[0])
         pos = _pos(cache.pos)
         q, k, v = _spel_cpu.attn_qkv(x, norm.weight, mix[0], pos, cos, sin, cache.keys.shape[1], float(norm.eps))
         cache.write(k, v)
@@ -98,8 +98,10 @@ class CPUFusedOps(MLXOps):
             if blk.kind == "gdn":
                 g = blk.mixer.gates(M)
                 mixer = [blk.attn_norm.weight, blk.mixer.conv, mix[0], g["a"], g["b"], mix[1]]
-            else:
-                mixer = [blk.attn_norm.weight, mix[0], *blk.mixer._rope_table, mix[1]]
+            else:      # the plan captures the table once: for all of max_seq, where that is small
+                if blk.mixer.rope_all() is None:
+                    return None
+                mixer = [blk.attn_norm.weight, mix[0], *blk.mixer.rope_all(), mix[1]]
             plan.append(_spel_cpu.PlanLayer(blk.kind == "gdn", float(blk.attn_norm.eps), float(blk.ffn_norm.eps),
                                             mixer + [blk.ffn_norm.weight] + mlp))
         head, eps = [], 0.0

@@ -14,11 +14,19 @@ def l2_normalize(x: mx.array) -> mx.array:
     return x * mx.rsqrt(mx.sum(x * x, axis=-1, keepdims=True) + L2_EPS)
 
 
-@functools.lru_cache(maxsize=8)
-def rope_table(max_seq: int, head_dim: int, theta: float):
-    """(cos, sin) [max_seq, hd/2] of pos * theta^(-2i/hd), computed in float64."""
+# positions up to which a pass that captures the RoPE table once (the CPU pass plan) gets
+# a table for all of max_seq; beyond, passes take tables sized by use (layers.Attention)
+ROPE_ALL_ROWS = 1 << 16
+
+
+@functools.lru_cache(maxsize=16)
+def rope_table(rows: int, head_dim: int, theta: float):
+    """(cos, sin) [rows, hd/2] of pos * theta^(-2i/hd) for positions 0..rows-1, computed
+    in float64.  Each value is computed on its own, so a position's row is the same
+    whatever `rows` is: tables are sized by the positions in use (a header's max_seq
+    alone allocates nothing)."""
     inv = theta ** (-np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
-    ang = np.arange(max_seq, dtype=np.float64)[:, None] * inv[None, :]
+    ang = np.arange(rows, dtype=np.float64)[:, None] * inv[None, :]
     return mx.array(np.cos(ang).astype(np.float32)), mx.array(np.sin(ang).astype(np.float32))
 
 

@@ -14,7 +14,7 @@ import mlx.nn as nn
 
 from ..config import ModelConfig
 from .delta_rule import chunk_gates
-from .functional import l2_normalize, rope_table
+from .functional import ROPE_ALL_ROWS, l2_normalize, rope_table
 from .linear import Linear
 
 
@@ -99,17 +99,25 @@ class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, quant: str | None = None):
         super().__init__()
         self.n_heads, self.head_dim = cfg.n_heads, cfg.head_dim
-        self.rope_theta = cfg.rope_theta
-        # not a parameter: kept out of the module tree
-        object.__setattr__(self, "_rope_table", rope_table(cfg.max_seq, cfg.head_dim, cfg.rope_theta))
+        self.rope_theta, self.max_seq = cfg.rope_theta, cfg.max_seq
         self.wqkv = Linear(cfg.d_model, 3 * cfg.inner, quant)
         self.wo = Linear(cfg.inner, cfg.d_model, quant)
 
-    def rope(self, x, offset):
-        """x [M,n,H,hd], row j at position offset+j (offset: int or int32 array):
+    def rope_rows(self, rows: int):
+        """The RoPE table (cos, sin) for positions 0..rows-1: a decoding pass asks for its
+        KV caches' rows, so the table grows with the positions used, as they do."""
+        return rope_table(min(rows, self.max_seq), self.head_dim, self.rope_theta)
+
+    def rope_all(self):
+        """The table for every position to max_seq, for a pass that captures it once;
+        None where that would be large (ROPE_ALL_ROWS)."""
+        return self.rope_rows(self.max_seq) if self.max_seq <= ROPE_ALL_ROWS else None
+
+    def rope(self, x, offset, rows: int):
+        """x [M,n,H,hd], row j at position offset+j (offset: int or int32 array) < rows:
         pairs (2i, 2i+1) rotated with cos/sin rows of the float64-built table."""
         M, hd = x.shape[0], self.head_dim
-        cos, sin = self._rope_table
+        cos, sin = self.rope_rows(rows)
         if isinstance(offset, int):
             c, s = cos[offset:offset + M], sin[offset:offset + M]
         else:
@@ -130,7 +138,7 @@ class Attention(nn.Module):
         if cache is None:
             o = self._causal(qkv, ops)
         else:
-            qk = self.rope(l2_normalize(qkv[:, 0:2]), cache.pos)
+            qk = self.rope(l2_normalize(qkv[:, 0:2]), cache.pos, cache.keys.shape[0])
             q, k, v = (t.reshape(T, H, hd) for t in (qk[:, 0:1], qk[:, 1:2], qkv[:, 2:3]))
             keys, values = cache.update_and_fetch(k, v)
             o = ops.attend(q, keys, values, cache.pos, T)
