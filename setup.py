@@ -28,6 +28,12 @@ class CMakeExtension(Extension):
 
 
 class BuildExt(build_ext):
+    def build_extensions(self):
+        # the interpreter's link flags may carry -Wl,-rpath,<its prefix> (pyenv's do): a
+        # module needs none, and a wheel must not carry a path of the machine it was built on
+        self.compiler.linker_so = [a for a in self.compiler.linker_so if "-rpath" not in a]
+        super().build_extensions()
+
     def build_extension(self, ext):
         if not isinstance(ext, CMakeExtension):
             return super().build_extension(ext)
@@ -53,7 +59,6 @@ class BuildExt(build_ext):
         subprocess.check_call([cmake, "-S", ext.sourcedir, "-B", tmp, *gen,
                                "-DCMAKE_BUILD_TYPE=Release",
                                f"-DMLX_DIR={os.path.join(mlx_dir, 'share', 'cmake', 'MLX')}",
-                               f"-DMLX_LIB_DIR={os.path.join(mlx_dir, 'lib')}",
                                f"-DPython_EXECUTABLE={sys.executable}",
                                f"-DSPEL_MLX_VERSION={version('mlx')}"])
         subprocess.check_call([cmake, "--build", tmp, "--parallel", str(os.cpu_count() or 1)])

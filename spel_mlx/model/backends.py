@@ -207,5 +207,6 @@ def describe() -> str:
     if device_name() == "gpu":
         return "mlx (%s): MLX ops on the %s GPU" % (how, gpu)
     why = ("" if executors.metal_available() else "; Metal unavailable on this machine") + \
-        ("" if ok else "; fused CPU primitives unavailable: " + why)
+        ("" if ok else ("; WARNING: fused CPU primitives off: " if cpu_ops.mismatch() else
+                        "; fused CPU primitives unavailable: ") + why)
     return "mlx (%s): MLX ops%s" % (how, why)

@@ -9,6 +9,8 @@ reference (tests/test_cpu_ops.py).
 """
 from __future__ import annotations
 
+import warnings
+
 import mlx.core as mx
 
 from ..platform import cpu_features
@@ -38,6 +40,16 @@ def status() -> tuple:
 
 def available() -> bool:
     return status()[0]
+
+
+def mismatch() -> str | None:
+    """Why the module is built but off (another MLX runs than it was built for), else None."""
+    return status()[1] if _spel_cpu is not None and not available() else None
+
+
+if mismatch():     # said once, at import: decoding still works, on the plain MLX ops (slower)
+    warnings.warn(f"{mismatch()}: the fused CPU primitives are off, decoding runs on the plain MLX ops",
+                  RuntimeWarning, stacklevel=2)
 
 
 def _pos(pos0):
