@@ -64,7 +64,7 @@ SAMPLED_MODES = [  # (label, mode, draft kind, threads, params, drafting ahead)
     ("ar, sampled", "ar", None, 0, COUPLED, False),
     ("spec sampled (the default: coupled, cost governor, drafting ahead while it pays), C draft", "spec",
      "c", 1, COUPLED, "auto"),
-    ("spec sampled residual (the default until session 32: drafting ahead while it pays), C draft", "spec",
+    ("spec sampled residual (the default until 2026-12-03: drafting ahead while it pays), C draft", "spec",
      "c", 1, RESIDUAL, "auto"),
     ("spec sampled coupled, C draft, drafting ahead", "spec", "c", 1, COUPLED, True),
     ("spec sampled coupled, C draft", "spec", "c", 1, COUPLED, False),
