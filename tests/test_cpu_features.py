@@ -16,7 +16,7 @@ from spel_mlx.model import cpu_ops
 from spel_mlx.native import cdraft
 from spel_mlx.api import load, generate
 m, tok = load()
-text = generate(m, tok, "And God said unto Moses,", 40, temperature=0)
+text = generate(m, tok, "And God said unto Moses,", max_tokens=40, temperature=0)
 print(json.dumps({"simd": cpu_ops._spel_cpu.simd(), "fma": bool(cpu_ops._spel_cpu.fma_chain_linear()),
                   "draft_kernel": cdraft.kernel_name(cdraft._resolve("auto")), "text": text}))
 """
@@ -58,7 +58,7 @@ from spel_mlx.model import cpu_ops
 from spel_mlx.api import load, generate
 m, tok = load()
 prompt = "And God said unto Moses, I AM THAT I AM: and he said, Thus shalt thou say. " * 40
-text = generate(m, tok, prompt, 24, temperature=0)
+text = generate(m, tok, prompt, max_tokens=24, temperature=0)
 print(json.dumps({"state": cpu_ops._spel_cpu.helper_state(), "items": cpu_ops._spel_cpu.helper_items_run(),
                   "text": text}))
 """

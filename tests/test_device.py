@@ -162,9 +162,9 @@ def test_engine_decodes_in_the_loaded_devices_scope(ckpt, monkeypatch):
     monkeypatch.setattr(engine, "device_scope", scope)
     loaded, tok = load(ckpt, placement="cpu")
     try:
-        generate(loaded, tok, "the cat", 4, temperature=0, draft="mlx")
+        generate(loaded, tok, "the cat", max_tokens=4, temperature=0, draft="mlx")
         loaded.device = "gpu"              # as load(placement="gpu") leaves it on a GPU machine
-        generate(loaded, tok, "the cat", 4, temperature=0, draft="mlx")
+        generate(loaded, tok, "the cat", max_tokens=4, temperature=0, draft="mlx")
     finally:
         loaded.close()
     assert seen == ["cpu", "gpu"]

@@ -64,7 +64,7 @@ import json, spel_mlx
 from spel_mlx.api import load, generate
 m, tok = load()
 prompt = "And God said unto Moses, I AM THAT I AM: and he said, Thus shalt thou say. " * 30
-text = generate(m, tok, prompt, 24, temperature=0)
+text = generate(m, tok, prompt, max_tokens=24, temperature=0)
 huge = [int(l.split()[1]) for l in open("/proc/self/smaps_rollup") if l.startswith("AnonHugePages")]
 print(json.dumps({"text": text, "huge_kb": huge[0]}))
 """
