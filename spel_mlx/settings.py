@@ -125,6 +125,8 @@ _DECLARED = (
     Setting("SPEL_REQUIRE_CROSS", "switch", False, "the cross-compiled NEON tests must run, not skip", scope="test suite"),
     Setting("SPEL_REQUIRE_SERVER", "switch", False, "the server, load and browser tests must run, not skip",
             scope="test suite"),
+    Setting("SPEL_REQUIRE_WHEEL", "switch", False, "the sdist and wheel tests must run (pip reaching an "
+            "index), not skip", scope="test suite"),
     Setting("SPEL_SCREENSHOT", "path", None, "the page test also saves its screenshot here", scope="test suite"),
     Setting("SPEL_DC_BUDGET_S", "float", None, "the GPU check's time budget in seconds", low=0, scope="bench"),
     Setting("SPEL_DC_PYTHON", "path", None, "the GPU check's python (default python3)", scope="bench"),

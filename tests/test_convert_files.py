@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 import spel_mlx  # noqa: F401  (the BLAS first)
-from spel_mlx import convert
+from spel_mlx.cli import convert
 from spel_mlx.api import LoadError, load
 from spel_mlx.checkpoints.files import StagedFolder, clean_stale_temps
 from spel_mlx.converters import CONFIG_FILE, MODEL_FILE, spelw_to_safetensors

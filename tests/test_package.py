@@ -168,7 +168,7 @@ def test_a_wheel_installs_and_generates_in_a_fresh_venv(tmp_path):
     model, tok = spel_mlx.load()
     assert text == repr(spel_mlx.generate(model, tok, "Elizabeth was", max_tokens=16, temperature=0))
     model.close()
-    cli = subprocess.run([str(venv / "bin" / "python"), "-m", "spel_mlx.generate", "--prompt", "It is",
+    cli = subprocess.run([str(venv / "bin" / "python"), "-m", "spel_mlx", "generate", "--prompt", "It is",
                           "--max-tokens", "8", "--temperature", "0"], capture_output=True, text=True,
                          timeout=600, cwd=tmp_path, env=no_compiler)
     assert cli.returncode == 0 and cli.stdout.strip(), cli.stderr[-2000:]
