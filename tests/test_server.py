@@ -317,7 +317,7 @@ def test_completion_logprobs(client, reference):
     row (greedy picks the argmax), its alternatives follow in order, and the values
     are the target's (a pass of the whole text, within float32 rounding)."""
     from spel_mlx import stream_generate
-    tokens = [t for r in stream_generate(*reference, PROMPT, max_tokens=16, temperature=0) for t in r.tokens]
+    tokens = [r.token for r in stream_generate(*reference, PROMPT, max_tokens=16, temperature=0)]
     r = client.completions.create(model="m", prompt=PROMPT, max_tokens=16, temperature=0, logprobs=3)
     lp = r.choices[0].logprobs
     assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 16

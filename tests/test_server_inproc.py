@@ -116,7 +116,7 @@ def test_end_of_text_ends_a_reply(model):
     from spel_mlx import stream_generate
     loaded, tok = model
     prompt = "Elizabeth was"
-    free = [t for r in stream_generate(loaded, tok, prompt, 30, temperature=0) for t in r.tokens]
+    free = [r.token for r in stream_generate(loaded, tok, prompt, 30, temperature=0)]
     eot = _EotTokenizer(tok, free[7])
     want = "".join(r.text for r in stream_generate(loaded, eot, prompt, 30, temperature=0))
     srv = InProcessServer(loaded, eot)
