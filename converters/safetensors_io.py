@@ -43,7 +43,8 @@ def bf16_bits_to_f32(u16: np.ndarray) -> np.ndarray:
 
 
 def _encode(arr, dtype: str) -> np.ndarray:
-    """Array as the bytes of safetensors dtype ``dtype`` (float targets only)."""
+    """Array as the bytes of safetensors dtype ``dtype`` (floats, U32, and the I8/U8 codes
+    of a packed draft)."""
     if dtype == "F32":
         return np.asarray(arr, dtype="<f4")
     if dtype == "F16":
@@ -52,6 +53,8 @@ def _encode(arr, dtype: str) -> np.ndarray:
         return f32_to_bf16_bits(np.asarray(arr, dtype="<f4"))
     if dtype == "U32":
         return np.asarray(arr, dtype="<u4")
+    if dtype in ("I8", "U8"):
+        return np.asarray(arr, dtype=DTYPES[dtype][0])
     raise ValueError(f"cannot write dtype {dtype}")
 
 

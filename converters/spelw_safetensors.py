@@ -25,6 +25,7 @@ from spel_mlx.checkpoints.rules import (STORED_FIELDS, CheckpointError, check_go
                                         read_json_file)
 from spel_mlx.checkpoints.spelw import FLAG_GOLDEN, HEADER_SIZE, SpelwWriter, read_spelw
 
+from . import packed_draft
 from .safetensors_io import FLOAT_DTYPES, INT_DTYPES, SafetensorsFile, write_safetensors
 
 MODEL_FILE = "model.safetensors"
@@ -136,7 +137,11 @@ class SafetensorsModel:
         cfg, ents = self.cfg, self.entries
         specs = tensor_specs(cfg)
         names = {s.name for s in specs}
-        missing = [s.name for s in specs if s.name not in ents]
+        # a quantized draft matrix may be stored as its codes and scales (packed_draft.py)
+        self.packed = {s.name for s in specs if s.name not in ents and packed_draft.stored_names(s.name)
+                       and any(n in ents for n in packed_draft.stored_names(s.name))}
+        names |= {n for p in self.packed for n in packed_draft.stored_names(p)}
+        missing = [s.name for s in specs if s.name not in ents and s.name not in self.packed]
         if missing:
             more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""
             raise CheckpointError(self.files[0].path, f"missing tensors {', '.join(missing[:5])}{more}",
@@ -147,6 +152,9 @@ class SafetensorsModel:
             raise CheckpointError(ents[extra[0]].file.path, f"unexpected tensors {', '.join(extra[:5])}{more} "
                                   f"(not in the layout of this config)", offset=8, field=extra[0])
         for s in specs:
+            if s.name in self.packed:
+                packed_draft.check(s.name, s.shape, ents, self.files[0].path)
+                continue
             e = ents[s.name]
             if e.dtype not in FLOAT_DTYPES:
                 self._err(e, f"dtype {e.dtype}, expected one of {', '.join(FLOAT_DTYPES)}")
@@ -181,13 +189,20 @@ class SafetensorsModel:
 
     @property
     def stored_dtypes(self) -> set:
-        return {self.entries[s.name].dtype for s in tensor_specs(self.cfg)}
+        """The floats' dtypes, and "packed" where the draft is stored as codes and scales."""
+        return {"packed" if s.name in self.packed else self.entries[s.name].dtype for s in tensor_specs(self.cfg)}
 
     def f32(self, name) -> np.ndarray:
+        if name in self.packed:
+            return packed_draft.read(name, self._shape(name), self.entries)
         return self.entries[name].file.f32(name)
 
+    def _shape(self, name) -> tuple:
+        return next(s.shape for s in tensor_specs(self.cfg) if s.name == name)
+
     def release(self, name):
-        self.entries[name].file.release(name)
+        for n in packed_draft.stored_names(name) if name in self.packed else (name,):
+            self.entries[n].file.release(n)
 
     def golden(self) -> Golden | None:
         if not self.has_golden:
@@ -217,12 +232,16 @@ def _check_dir(dst_dir):
         raise CheckpointError(dst_dir, f"no such folder: {parent}")
 
 
-def spelw_to_safetensors(src, dst_dir, dtype: str = "F32", progress=None, golden: Golden | None = None):
+def spelw_to_safetensors(src, dst_dir, dtype: str = "F32", progress=None, golden: Golden | None = None,
+                         pack_draft: bool = False):
     """Convert a SPELW001 file into a model folder ``dst_dir``.
 
     ``dtype`` F16/BF16 round the weights (golden logits stay F32); the caller must
     then pass ``golden`` recomputed for the rounded weights (``python -m
     spel_mlx.convert --dtype`` does), since the footer describes the stored values.
+    ``pack_draft``: the draft's quantized matrices as codes and scales, exactly
+    (packed_draft.py; refused unless they are on their grid); ``dtype`` then rounds
+    only the other tensors.
     """
     dtype = dtype.upper()
     if dtype not in FLOAT_DTYPES:
@@ -236,7 +255,14 @@ def spelw_to_safetensors(src, dst_dir, dtype: str = "F32", progress=None, golden
             META_CONFIG: json.dumps(config_fields(cfg), separators=(",", ":")), META_FLAGS: str(flags)}
     if dtype != "F32":
         meta[META_DTYPE] = dtype
-    entries = [(s.name, dtype, s.shape, (lambda n=s.name: sp.tensors[n])) for s in tensor_specs(cfg)]
+    entries = []
+    for s in tensor_specs(cfg):
+        if pack_draft and packed_draft.stored_names(s.name):
+            entries += packed_draft.entries(s.name, s.shape, sp.tensors[s.name], src)
+        else:
+            entries.append((s.name, dtype, s.shape, (lambda n=s.name: sp.tensors[n])))
+    if pack_draft:
+        meta[packed_draft.META_DRAFT] = "packed"
     if g is not None:
         n, V = g.n, cfg.vocab
         entries += [(GOLDEN_TOKENS, "U32", (n,), lambda: g.tokens),
@@ -244,6 +270,7 @@ def spelw_to_safetensors(src, dst_dir, dtype: str = "F32", progress=None, golden
                     (GOLDEN_DRAFT, "F32", (n, V), lambda: g.draft_logits)]
 
     def drop(name):
+        name = name.rsplit(".", 1)[0] if name not in sp.spans else name    # a packed matrix's pair
         if name in sp.spans:
             sp.release(*sp.spans[name])
 

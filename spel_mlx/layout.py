@@ -21,6 +21,19 @@ GOLDEN_TARGET = "golden.target_logits"     # float32 [n, V]
 GOLDEN_DRAFT = "golden.draft_logits"       # float32 [n, V]
 
 
+# SPEC 2-3: the draft's projections are q8, its MLP ternary (the other tensors FP32)
+DRAFT_MIXER_QUANT, DRAFT_MLP_QUANT = "q8", "ternary"
+_DRAFT_QUANT = {"mixer.wqkv.weight": DRAFT_MIXER_QUANT, "mixer.wo.weight": DRAFT_MIXER_QUANT,
+                "mlp.w1.weight": DRAFT_MLP_QUANT, "mlp.w3.weight": DRAFT_MLP_QUANT, "mlp.w2.weight": DRAFT_MLP_QUANT}
+
+
+def draft_quant(name: str) -> str | None:
+    """The quantization a tensor gets at load ("q8", "ternary"), or None (kept FP32)."""
+    if not name.startswith("draft.layers."):
+        return None
+    return _DRAFT_QUANT.get(name.split(".", 3)[3])
+
+
 @dataclass(frozen=True)
 class TensorSpec:
     name: str

@@ -32,8 +32,9 @@ def load_checkpoint(path=None) -> Checkpoint:
         check_memory(st.cfg, path)
         weights = {s.name: st.f32(s.name) for s in tensor_specs(st.cfg)}
         dts = st.stored_dtypes
-        ck = Checkpoint(st.cfg, weights, st.golden(), path, "safetensors",
-                        dts.pop() if len(dts) == 1 else "mixed", sum(f.size for f in st.files),
+        floats = dts - {"packed"}
+        stored = (floats.pop() if len(floats) == 1 else "mixed") + (", draft packed" if "packed" in dts else "")
+        ck = Checkpoint(st.cfg, weights, st.golden(), path, "safetensors", stored, sum(f.size for f in st.files),
                         lambda: [st.release(n) for n in weights], st.release)
     else:
         check_memory(read_header(path).cfg, path)

@@ -314,3 +314,67 @@ def test_bad_source_creates_nothing(tmp_path, spelw_file):
         spelw_to_safetensors(bad, tmp_path / "out")
     assert not (tmp_path / "out").exists()
     assert converters.MODEL_FILE == "model.safetensors"
+
+
+# --------------------------------------------------------------------------- a packed draft
+
+@pytest.fixture
+def snapped_spelw(tmp_path):
+    """TINY with its draft on its quantization grid (what an export writes)."""
+    from spel_mlx.training.export import snap_draft
+    p = tmp_path / "snapped.spelw"
+    write_spelw(p, TINY, snap_draft(tiny_tensors()), tiny_golden())
+    return p
+
+
+def test_packed_draft_round_trips_byte_identical(tmp_path, snapped_spelw):
+    """The draft's q8 and ternary matrices as codes and scales: SPELW001 -> packed folder
+    -> SPELW001 is byte-identical, the loaded weights are the same floats, the codes are
+    what the C draft quantizes to, and the folder is smaller than the float one."""
+    from spel_mlx import quant
+    from spel_mlx.layout import draft_quant
+    packed, plain = tmp_path / "packed", tmp_path / "plain"
+    spelw_to_safetensors(snapped_spelw, packed, pack_draft=True)
+    spelw_to_safetensors(snapped_spelw, plain)
+    back = tmp_path / "back.spelw"
+    safetensors_to_spelw(packed, back)
+    assert back.read_bytes() == snapped_spelw.read_bytes()
+    st = SafetensorsModel(packed)
+    stored = st_dict(packed)
+    quantized = [s.name for s in tensor_specs(TINY) if draft_quant(s.name)]
+    assert st.packed == set(quantized) and st_meta(packed)["spel.draft"] == "packed"
+    for n in quantized:
+        assert n not in stored and stored[n + ".scale"].dtype == np.float32
+        q, s = quant.QUANTIZERS[draft_quant(n)](read_spelw(snapped_spelw).tensors[n])
+        codes = stored[n + ".q8"] if draft_quant(n) == "q8" else quant.unpack_ternary(stored[n + ".ternary"], q.shape[1])
+        assert np.array_equal(codes, q) and np.array_equal(stored[n + ".scale"], s)
+    a, b = load_checkpoint(str(packed)), load_checkpoint(str(snapped_spelw))
+    assert all(np.array_equal(a.weights[n], b.weights[n]) for n in b.weights)
+    assert a.stored_dtype == "F32, draft packed"
+    assert os.path.getsize(packed / MODEL_FILE) < os.path.getsize(plain / MODEL_FILE)
+
+
+def test_packing_refuses_a_draft_off_its_grid(tmp_path, spelw_file):
+    with pytest.raises(CheckpointError, match=r"draft\.layers\.0\.mixer\.wqkv\.weight: not on its q8 grid"):
+        spelw_to_safetensors(spelw_file, tmp_path / "p", pack_draft=True)
+    assert not (tmp_path / "p").exists()
+
+
+def test_packed_draft_damage_is_named(tmp_path, snapped_spelw):
+    packed = tmp_path / "packed"
+    spelw_to_safetensors(snapped_spelw, packed, pack_draft=True)
+    good, meta = st_dict(packed), st_meta(packed)
+    q8, tern = "draft.layers.0.mixer.wo.weight", "draft.layers.1.mlp.w2.weight"
+    cases = [
+        ("missing scale", {k: v for k, v in good.items() if k != q8 + ".scale"}, q8 + ".scale missing"),
+        ("float codes", {**good, q8 + ".q8": good[q8 + ".q8"].astype(np.float32)}, q8 + r"\.q8: F32"),
+        ("q8 -128", {**good, q8 + ".q8": np.where(np.arange(good[q8 + ".q8"].size).reshape(good[q8 + ".q8"].shape)
+                                                   == 5, -128, good[q8 + ".q8"]).astype(np.int8)}, "row 0"),
+        ("ternary code 2", {**good, tern + ".ternary": np.full_like(good[tern + ".ternary"], 0b10)},
+         tern + r"\.ternary: row 0"),
+        ("negative scale", {**good, tern + ".scale": -good[tern + ".scale"] - 1}, tern + r"\.scale: scales"),
+    ]
+    for i, (what, tensors, msg) in enumerate(cases):
+        d = save_variant(tmp_path, tensors, meta, name=f"bad{i}")
+        with pytest.raises(CheckpointError, match=msg):
+            load_checkpoint(str(d))

@@ -12,6 +12,7 @@ import mlx.core as mx
 from spel_mlx.model import copy_target_to_draft, init_params
 from spel_mlx.training import (config, corpus, data, export, loop, onpolicy, pipeline, runs, schedule,
                                steps)
+from spel_mlx import layout, quant
 from spel_mlx.config import ModelConfig
 from spel_mlx.tokenizer import ByteTokenizer
 
@@ -150,9 +151,18 @@ def test_export_spelw_and_f16_folder(tmp_path, target_run, data_dir):
     half = load_checkpoint(out)
     assert full.cfg == half.cfg == TINY
     assert list(full.golden.tokens) == list(export.golden_tokens_from_heldout(data_dir, ByteTokenizer()))
+    snapped = export.snap_draft({n: np.array(a) for n, a in params.items()})
+    n_snapped = 0
     for n, a in params.items():
-        assert np.array_equal(full.weights[n], np.array(a)), n
-        assert np.array_equal(half.weights[n], np.array(a).astype(np.float16).astype(np.float32)), n
+        a = np.array(a)
+        if layout.draft_quant(n):   # the draft as it runs: on its grid, stored packed without loss
+            n_snapped += 1
+            assert not np.array_equal(snapped[n], a) and quant.on_grid(snapped[n], layout.draft_quant(n)), n
+            assert np.array_equal(full.weights[n], snapped[n]) and np.array_equal(half.weights[n], snapped[n]), n
+        else:
+            assert np.array_equal(full.weights[n], a), n
+            assert np.array_equal(half.weights[n], a.astype(np.float16).astype(np.float32)), n
+    assert n_snapped > 3 * TINY.n_draft   # the MLP and the mixer projections of every draft layer
     assert not os.path.exists(os.path.join(out, "tokenizer.model"))   # vocab 128: ASCII bytes
 
 

@@ -30,7 +30,7 @@ class Checkpoint:
     golden: Golden | None
     source: str              # the path that was loaded
     format: str = "spelw"    # "spelw" | "safetensors"
-    stored_dtype: str = "F32"  # on-disk dtype of the weights ("F32", "F16", "BF16" or "mixed")
+    stored_dtype: str = "F32"  # on-disk dtype of the weights ("F32", "F16", "BF16" or "mixed"; ", draft packed")
     file_size: int = 0       # bytes on disk (all files of a folder)
     _release: object = field(default=None, repr=False, compare=False)
     _release_one: object = field(default=None, repr=False, compare=False)

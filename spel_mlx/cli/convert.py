@@ -16,6 +16,9 @@ def build_parser() -> shared.Parser:
     ap.add_argument("src")
     ap.add_argument("dst")
     ap.add_argument("--dtype", default="f32", type=str.upper, choices=("F32", "F16", "BF16"))
+    ap.add_argument("--pack-draft", action="store_true",
+                    help="store the draft's quantized matrices as codes and scales (exact; the draft must be "
+                         "on its quantization grid, as an exported model's is)")
     ap.add_argument("--quiet", action="store_true")
     shared.force(ap, "an existing destination")
     return ap
@@ -27,7 +30,7 @@ def main(argv=None) -> int:
 
 
 def _run(a) -> int:
-    what = convert(a.src, a.dst, a.dtype, progress=not a.quiet, force=a.force)
+    what = convert(a.src, a.dst, a.dtype, progress=not a.quiet, force=a.force, pack_draft=a.pack_draft)
     if not a.quiet:
         print(f"convert: {what}: {a.src} -> {a.dst}", file=sys.stderr)
     return 0

@@ -13,6 +13,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from ..config import ModelConfig
+from ..layout import DRAFT_MIXER_QUANT, DRAFT_MLP_QUANT
 from .delta_rule import chunk_gates
 from .functional import ROPE_ALL_ROWS, l2_normalize, rope_table
 from .linear import Linear
@@ -162,11 +163,11 @@ class Block(nn.Module):
         super().__init__()
         self.kind = kind
         mixer = GatedDeltaNet if kind == "gdn" else Attention
-        # SPEC 2: the draft's projections are q8, its MLP ternary
+        # SPEC 2: the draft's projections are q8, its MLP ternary (layout's one list)
         self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
-        self.mixer = mixer(cfg, "q8" if draft else None)
+        self.mixer = mixer(cfg, DRAFT_MIXER_QUANT if draft else None)
         self.ffn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
-        self.mlp = MLP(cfg.d_model, cfg.d_ff, "ternary" if draft else None)
+        self.mlp = MLP(cfg.d_model, cfg.d_ff, DRAFT_MLP_QUANT if draft else None)
 
     def __call__(self, x, cache, ops):
         # each residual half is one ops call, which a backend may run as one node
