@@ -1,6 +1,7 @@
 """The API as mlx-lm users write it: one response per token with mlx-lm's fields, its
 argument order, sampler and logits_processors callables that keep decoding exact,
-draft_model / num_draft_tokens, a prompt cache across a chat's turns, and a script
+draft_model / num_draft_tokens, a prompt cache across a chat's turns, the server's
+prefix cache (the tokens of a call without it, fewer prefilled), and a script
 written for mlx-lm that runs unchanged (tests/mlx_lm_script.py)."""
 import gc
 import importlib.util
@@ -16,7 +17,7 @@ import numpy as np
 import pytest
 
 import spel_mlx
-from spel_mlx.api import GenerationError, load, make_prompt_cache, prepare
+from spel_mlx.api import GenerationError, load, make_prefix_cache, make_prompt_cache, prepare
 from spel_mlx.decoding import SpeculativeDecoder
 
 PROMPT = "Elizabeth was"
@@ -197,6 +198,63 @@ def test_prompt_cache_after_a_cut_round_starts_afresh(shipped):
     before = list(cache.tokens)
     rs = list(spel_mlx.stream_generate(model, tok, " And", 12, temperature=0, strict=True, prompt_cache=cache))
     assert tokens_of(rs) == ar_tokens(model, before + tok.encode(" And"), 12)
+
+
+LONG_PROMPT = ("It is a truth universally acknowledged, that a single man in possession of a good fortune, "
+               "must be in want of a wife.")
+
+
+@pytest.mark.parametrize("batched_rows_differ", [False, True])
+def test_prefix_cache_gives_the_tokens_of_a_call_without_it(shipped, monkeypatch, batched_rows_differ):
+    """A request that extends an earlier one (its prompt and completion, a chat's next
+    turn) resumes from a saved state and gives, bit for bit, the tokens of a call
+    without the cache: greedy, strict and sampled.  Where fast rows depend on their
+    batch (forced here: the GPU's case), fast calls save states only at whole prefill
+    batches; elsewhere at any position, the completion's end too."""
+    model, tok = shipped
+    if batched_rows_differ:
+        monkeypatch.setattr(model.model, "rows_independent", lambda stack, m: False)
+    anywhere = all(model.model.rows_independent("target", m) for m in range(1, 17))
+
+    def run(prompt, **kw):
+        rs = list(spel_mlx.stream_generate(model, tok, prompt, 24, rounds=True, **kw))
+        return [t for r in rs for t in r.tokens], rs[-1]
+
+    n = len(tok.encode(LONG_PROMPT))
+    assert n > 17             # the prompt spans a whole prefill batch of 16
+    for kw in ({"temperature": 0}, {"temperature": 0, "strict": True}, {"temperature": 0.7, "seed": 3}):
+        cache = make_prefix_cache(model, 4)
+        first, last = run(LONG_PROMPT, prefix_cache=cache, **kw)
+        assert first == run(LONG_PROMPT, **kw)[0] and last.cached_tokens == 0
+        turn = LONG_PROMPT + tok.decode(first) + " However little known"
+        again, last = run(turn, prefix_cache=cache, **kw)
+        assert again == run(turn, **kw)[0], kw
+        if kw.get("strict") or anywhere:     # the state after prompt + completion
+            assert last.cached_tokens > n and last.stats["cached_tokens"] == last.cached_tokens
+        else:                                # the last whole prefill batch of the first prompt
+            assert last.cached_tokens == (n - 1) // 16 * 16
+        other, last = run("Mr. Darcy " + LONG_PROMPT, prefix_cache=cache, **kw)
+        assert last.cached_tokens == 0 and other == run("Mr. Darcy " + LONG_PROMPT, **kw)[0]
+        assert cache.hits == 1 and cache.misses == 2 and 0 < len(cache) <= 4 and cache.nbytes > 0
+
+
+def test_prefix_cache_is_bounded(shipped):
+    model, tok = shipped
+    one = make_prefix_cache(model, 1)
+    for prompt in (LONG_PROMPT, "Mr. Darcy " + LONG_PROMPT):
+        spel_mlx.generate(model, tok, prompt, max_tokens=4, temperature=0, prefix_cache=one)
+    assert len(one) == 1       # the older prompt's state is gone: its next call prefills it all
+    rs = list(spel_mlx.stream_generate(model, tok, LONG_PROMPT + " And", 4, temperature=0, prefix_cache=one))
+    assert rs[-1].stats["cached_tokens"] == 0
+    off = make_prefix_cache(model, 0)
+    spel_mlx.generate(model, tok, LONG_PROMPT, max_tokens=4, temperature=0, prefix_cache=off)
+    assert len(off) == 0
+    with pytest.raises(GenerationError, match="prefix_cache"):
+        spel_mlx.generate(model, tok, PROMPT, prefix_cache=make_prompt_cache(model))
+    with pytest.raises(GenerationError, match="not both"):
+        spel_mlx.generate(model, tok, PROMPT, prefix_cache=one, prompt_cache=make_prompt_cache(model))
+    with pytest.raises(GenerationError, match="size"):
+        make_prefix_cache(model, -1)
 
 
 def test_argument_order_and_limits(shipped):

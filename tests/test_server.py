@@ -354,23 +354,24 @@ def test_chat_logprobs_streamed_and_whole(client):
     assert e.value.body["param"] == "top_logprobs"
 
 
+def scrape(server) -> dict:
+    """/metrics as {(name, labels): value}."""
+    from prometheus_client.parser import text_string_to_metric_families
+    req = urllib.request.Request(server.url + "/metrics", headers={"Authorization": f"Bearer {KEY}"})
+    with urllib.request.urlopen(req, timeout=10) as r:
+        assert r.headers["content-type"].startswith("text/plain")
+        return {(s.name, tuple(sorted(s.labels.items()))): s.value
+                for f in text_string_to_metric_families(r.read().decode()) for s in f.samples}
+
+
 def test_metrics(server, client):
     """/metrics is Prometheus text; a completed and a refused request move its counters."""
-    from prometheus_client.parser import text_string_to_metric_families
-
-    def scrape():
-        req = urllib.request.Request(server.url + "/metrics", headers={"Authorization": f"Bearer {KEY}"})
-        with urllib.request.urlopen(req, timeout=10) as r:
-            assert r.headers["content-type"].startswith("text/plain")
-            return {(s.name, tuple(sorted(s.labels.items()))): s.value
-                    for f in text_string_to_metric_families(r.read().decode()) for s in f.samples}
-
-    before = scrape()
+    before = scrape(server)
     r = client.completions.create(model="m", prompt=PROMPT, max_tokens=10, temperature=0)
     conn, resp = raw_request(server, "/v1/completions", {"prompt": PROMPT, "max_tokens": -1})
     assert resp.status == 400
     conn.close()
-    after = scrape()
+    after = scrape(server)
 
     def delta(name, **labels):
         key = (name, tuple(sorted(labels.items())))
@@ -387,6 +388,27 @@ def test_metrics(server, client):
     with pytest.raises(urllib.error.HTTPError) as e:
         urllib.request.urlopen(server.url + "/metrics", timeout=10)
     assert e.value.code == 401
+
+
+def test_prompt_cache(server, client, reference):
+    """A request whose prompt extends an earlier one's (a chat's next turn) resumes from
+    the state that request left: fewer tokens prefilled (usage's cached_tokens, the
+    cache counters), the text of the Python API without a cache."""
+    from spel_mlx import generate
+    first = "It is a truth universally acknowledged, that a single man in possession of a good fortune,"
+    n = len(reference[1].encode(first))
+    reply = client.completions.create(model="m", prompt=first, max_tokens=12, temperature=0)
+    assert reply.usage.prompt_tokens_details.cached_tokens == 0
+    turn = first + reply.choices[0].text + " However"
+    before = scrape(server)
+    r = client.completions.create(model="m", prompt=turn, max_tokens=16, temperature=0)
+    after = scrape(server)
+    assert r.choices[0].text == generate(*reference, turn, max_tokens=16, temperature=0)
+    cached = r.usage.prompt_tokens_details.cached_tokens
+    assert (n - 1) // 16 * 16 <= cached < r.usage.prompt_tokens and cached >= 16
+    assert after[("spel_prompt_cache_hits_total", ())] - before.get(("spel_prompt_cache_hits_total", ()), 0) == 1
+    assert after[("spel_prompt_cache_tokens_total", ())] - before[("spel_prompt_cache_tokens_total", ())] == cached
+    assert 0 < after[("spel_prompt_cache_entries", ())] <= 8 and after[("spel_prompt_cache_bytes", ())] > 0
 
 
 def test_openapi_docs(server):

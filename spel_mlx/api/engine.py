@@ -153,8 +153,8 @@ def _recall_governor(loaded, proposer, k: int, params):
 class Decoding:
     """One decoding call.  `stats` is the engine's statistics dict, current after
     every round (and after an interrupt).  `rows_hook`: a RowHook deciding the target's
-    tokens on the host (api/rows.py); `cache`: a PromptCache the call starts from and
-    leaves its state in."""
+    tokens on the host (api/rows.py); `cache`: a PromptCache or PrefixCache the call
+    starts from and leaves its state in."""
 
     def __init__(self, loaded, settings: DecodeSettings, params, rows_hook=None, cache=None):
         self.loaded, self.settings, self.params = loaded, settings, params
@@ -214,6 +214,11 @@ class Decoding:
                     governor_store.remember(store, proposer.governor_memory)
                 if self.cache is not None:
                     self.cache.settle(self.decoder, prompt, ok)
+
+    @property
+    def cached_tokens(self) -> int:
+        """Positions this call restored from a prompt cache instead of prefilling them."""
+        return getattr(self.decoder.target, "kept", 0) if self.decoder is not None and self.cache is not None else 0
 
     @property
     def draft_threads(self):

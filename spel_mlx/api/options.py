@@ -7,7 +7,7 @@ import mlx.core as mx
 import numpy as np
 
 from . import engine
-from .cache import PromptCache
+from .cache import PrefixCache, PromptCache
 from .errors import GenerationError
 from .loading import LoadedModel
 from .request import Request
@@ -135,7 +135,8 @@ def prepare(model, tokenizer, prompt, max_tokens: int = DEFAULT_MAX_TOKENS, *,
             strict: bool = False, draft_threads: int | None = None, draft_ahead: str = "auto",
             draft_context: int = engine.DRAFT_CONTEXT, forced_alpha: float | None = None,
             sampler=None, logits_processors=None, draft_model=None, num_draft_tokens: int | None = None,
-            prompt_cache: PromptCache | None = None, prompt_progress_callback=None, logprobs: bool | None = None,
+            prompt_cache: PromptCache | None = None, prefix_cache: PrefixCache | None = None,
+            prompt_progress_callback=None, logprobs: bool | None = None,
             stream=None, max_kv_size=None, kv_bits=None, kv_group_size: int = 64, quantized_kv_start: int = 0,
             prefill_step_size: int | None = None, input_embeddings=None, **unknown):
     """A checked Request (see `stream_generate` for the arguments)."""
@@ -178,6 +179,13 @@ def prepare(model, tokenizer, prompt, max_tokens: int = DEFAULT_MAX_TOKENS, *,
             raise GenerationError("prompt_cache: one made by make_prompt_cache(model) for this model", "prompt_cache")
         if model.pipeline is not None:
             raise GenerationError("prompt_cache: not with a pipeline across processes", "prompt_cache")
+    if prefix_cache is not None:
+        if not isinstance(prefix_cache, PrefixCache) or prefix_cache.loaded is not model:
+            raise GenerationError("prefix_cache: one made by make_prefix_cache(model) for this model", "prefix_cache")
+        if prompt_cache is not None:
+            raise GenerationError("prefix_cache: give prompt_cache or prefix_cache, not both", "prefix_cache")
+        if model.pipeline is not None:
+            raise GenerationError("prefix_cache: not with a pipeline across processes", "prefix_cache")
     context = ids if prompt_cache is None else prompt_cache.tokens + ids
     try:
         engine.checked_prompt(context, 0, cfg)
@@ -187,5 +195,5 @@ def prepare(model, tokenizer, prompt, max_tokens: int = DEFAULT_MAX_TOKENS, *,
     if max_tokens == -1:
         max_tokens = cfg.max_seq
     return Request(model, tokenizer, context, max_tokens, stop or [], settings, params, rows_hook=hook,
-                   cache=prompt_cache, given=len(ids), progress=prompt_progress_callback,
+                   cache=prompt_cache if prefix_cache is None else prefix_cache, given=len(ids), progress=prompt_progress_callback,
                    logprobs=logprobs is not False)

@@ -40,6 +40,7 @@ class RoundResponse:
     prompt_tps: float = 0.0        # prompt tokens / prefill seconds
     peak_memory: float = 0.0       # GB, MLX's peak so far (mx.get_peak_memory)
     rows: object = field(default=None, repr=False)   # per token: the target's logits (see `logprobs`)
+    cached_tokens: int = 0         # context positions restored from a prompt cache, not prefilled
 
     @property
     def logprobs(self) -> list | None:
@@ -94,7 +95,7 @@ class Request:
                 [p[1] for p in real], state["round"], proposed, self.given, len(out),
                 run.get("tok_s", 0.0), run.get("alpha", 0.0), run.get("tokens_per_round", 0.0),
                 finish, stats or {}, run.get("prompt_tps", 0.0), mx.get_peak_memory() / 1e9,
-                rows if rows and all(row is not None for row in rows) else None)
+                rows if rows and all(row is not None for row in rows) else None, self.decoding.cached_tokens)
             if on_response is not None:
                 on_response(r)
             return r
@@ -135,6 +136,7 @@ class Request:
             stats["stop_reason"] = "end_of_text"
         if reason == "stop_string":
             stats["tokens"] = len(out) + sum(p[0] is not None for p in pieces)
+        stats["cached_tokens"] = self.decoding.cached_tokens
         self._final = stats
         return respond(pieces, 0, FINISH[stats["stop_reason"]], stats)
 

@@ -31,6 +31,9 @@ def build_parser() -> shared.Parser:
                     help="require 'Authorization: Bearer KEY' on /v1/* (default: SPEL_API_KEY, else none)")
     ap.add_argument("--queue-size", type=shared.ranged(1, 4096), default=8,
                     help="requests that may wait behind the running one; more get 429 (default 8)")
+    ap.add_argument("--prompt-cache-size", type=shared.ranged(0, 1024), default=8, metavar="N",
+                    help="target states kept for requests whose prompt begins with an earlier one's tokens "
+                         "(the N most recently used; 0: off; default 8; docs/server.md, \"Prompt cache\")")
     shared.mode(ap, help="default decoding mode")
     shared.draft(ap, kinds=("c", "mlx", "ngram", "auto"),
                  help="default draft (default: auto for greedy requests, c when sampling; mlx where "
@@ -86,5 +89,6 @@ def main(argv=None) -> int:
     app = create_app(loaded, tokenizer, model_id=args.model_id or model_name(loaded.source),
                      api_key=args.api_key, queue_size=args.queue_size, defaults=defaults,
                      warmup=not args.no_warmup, allowed_hosts=bound + args.allowed_hosts,
-                     allowed_origins=args.allowed_origins, chat_format=chat_format)
+                     allowed_origins=args.allowed_origins, chat_format=chat_format,
+                     prompt_cache_size=args.prompt_cache_size)
     return run(app, host=args.host, port=args.port, log_level=args.log_level)

@@ -17,7 +17,7 @@ from fastapi.staticfiles import StaticFiles
 from pydantic.json_schema import models_json_schema
 from starlette.exceptions import HTTPException
 
-from ..api import GenerationError, prepare
+from ..api import GenerationError, make_prefix_cache, prepare
 from . import protocol, schemas
 from .chat import ChatFormat
 from .guard import ClientGone, HostGuard, authorized, read_body, require_json, require_key
@@ -36,18 +36,22 @@ def _error(e: protocol.ApiError) -> JSONResponse:
 
 def create_app(loaded, tokenizer, *, model_id: str, api_key: str | None = None, queue_size: int = 8,
                defaults: dict | None = None, warmup: bool = True, allowed_hosts=(), allowed_origins=(),
-               max_tokens_limit: int | None = None, chat_format: ChatFormat | None = None) -> FastAPI:
+               max_tokens_limit: int | None = None, chat_format: ChatFormat | None = None,
+               prompt_cache_size: int = 8) -> FastAPI:
     """The application serving `loaded` (from spel_mlx.api.load).  `defaults` are the
     generation options a request does not set (mode, draft, k, ...); `allowed_hosts`:
     Host names accepted beside loopback ("*": any); `allowed_origins`: CORS origins;
     `max_tokens_limit`: the most tokens a request may ask (default max_seq);
-    `chat_format`: default, the model folder's chat template, else the plain format."""
+    `chat_format`: default, the model folder's chat template, else the plain format;
+    `prompt_cache_size`: target states kept for prompts that begin with an earlier
+    request's tokens (0: none; api.PrefixCache)."""
     defaults = dict(defaults or {})
     limit = loaded.cfg.max_seq if max_tokens_limit is None else min(max_tokens_limit, loaded.cfg.max_seq)
     chat_format = chat_format or ChatFormat.for_model(loaded.source, tokenizer)
     created = int(time.time())
     worker = DecodeWorker(loaded, tokenizer, capacity=queue_size)
-    metrics = worker.metrics = Metrics(worker)
+    prefix_cache = make_prefix_cache(loaded, prompt_cache_size) if prompt_cache_size else None
+    metrics = worker.metrics = Metrics(worker, prefix_cache)
 
     @asynccontextmanager
     async def lifespan(app):
@@ -100,7 +104,7 @@ def create_app(loaded, tokenizer, *, model_id: str, api_key: str | None = None, 
             prompt, options, top = req.prompt, req.options(req.max_tokens), req.top_logprobs()
         options["max_tokens"] = min(options["max_tokens"], limit)
         try:
-            api_request = prepare(loaded, tokenizer, prompt, **{**defaults, **options})
+            api_request = prepare(loaded, tokenizer, prompt, prefix_cache=prefix_cache, **{**defaults, **options})
         except GenerationError as e:
             param = "messages" if chat and e.param == "prompt" else e.param
             raise protocol.ApiError(400, str(e), param) from None

@@ -1,6 +1,6 @@
 """`/metrics` in Prometheus' text format (prometheus_client, one registry per app):
 requests by route and status, tokens, draft proposals and acceptances (alpha is
-their ratio), each request's decode speed and alpha, the queue."""
+their ratio), each request's decode speed and alpha, the queue, the prompt cache."""
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -11,7 +11,7 @@ __all__ = ["Metrics", "CONTENT_TYPE"]
 
 
 class Metrics:
-    def __init__(self, worker):
+    def __init__(self, worker, prefix_cache=None):
         r = self.registry = CollectorRegistry(auto_describe=True)
         self.requests = Counter("spel_http_requests", "HTTP requests answered, by route and status",
                                 ("route", "status"), registry=r)
@@ -30,6 +30,17 @@ class Metrics:
         Gauge("spel_queue_depth", "Requests waiting behind the running one", registry=r) \
             .set_function(lambda: worker.jobs.qsize())
         Gauge("spel_busy", "1 while a generation runs", registry=r).set_function(lambda: worker.current is not None)
+        self.cache_hits = Counter("spel_prompt_cache_hits", "Generations that resumed from a saved prompt state",
+                                  registry=r)
+        self.cache_misses = Counter("spel_prompt_cache_misses", "Generations the prompt cache had no state for",
+                                    registry=r)
+        self.cached_tokens = Counter("spel_prompt_cache_tokens", "Prompt tokens restored instead of prefilled",
+                                     registry=r)
+        self.cache = prefix_cache
+        if prefix_cache is not None:
+            Gauge("spel_prompt_cache_entries", "Prompt states held", registry=r).set_function(lambda: len(prefix_cache))
+            Gauge("spel_prompt_cache_bytes", "Bytes the held prompt states take", registry=r) \
+                .set_function(lambda: prefix_cache.nbytes)
 
     def answered(self, path: str, status: int):
         self.requests.labels(path if path in ROUTES else "other", str(status)).inc()
@@ -40,6 +51,10 @@ class Metrics:
         if not stats:
             return
         self.prompt_tokens.inc(stats.get("prompt_tokens", 0))
+        if self.cache is not None:
+            cached = stats.get("cached_tokens", 0)
+            (self.cache_hits if cached else self.cache_misses).inc()
+            self.cached_tokens.inc(cached)
         self.tokens.inc(stats.get("tokens", 0))
         self.proposed.inc(stats.get("proposed", 0))
         self.accepted.inc(stats.get("accepted", 0))

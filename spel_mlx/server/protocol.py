@@ -105,9 +105,11 @@ def spel_round(r) -> dict:
             "proposed": r.proposed, "alpha": r.alpha, "tokens_per_round": r.tokens_per_round, "tok_s": r.tok_s}
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict:
+    """OpenAI's usage; `cached_tokens`: prompt tokens restored from the prompt cache."""
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
 
 
 def finish_reason(reason: str) -> str:

@@ -68,7 +68,7 @@ async def _events(job: Job, shaper: protocol.Shaper):
                 yield protocol.sse(sh.chunk(r.text, protocol.spel_summary(r.stats, job.queued_s), lps,
                                             reason=r.finish_reason))
                 if sh.include_usage:
-                    yield protocol.sse(sh.usage_chunk(protocol.usage(r.prompt_tokens, r.generation_tokens)))
+                    yield protocol.sse(sh.usage_chunk(protocol.usage(r.prompt_tokens, r.generation_tokens, r.cached_tokens)))
         yield protocol.sse("[DONE]")
     finally:
         job.stop(DISCONNECTED)       # a stream cut short (the client went): stop decoding; else a no-op
@@ -89,8 +89,8 @@ async def _whole(job: Job, shaper: protocol.Shaper) -> JSONResponse:
         if job.why == SHUTDOWN:
             return _error_response(protocol.shutting_down())
         return Response(status_code=204)                # the client has gone
-    body = shaper.whole("".join(parts), last.finish_reason, protocol.usage(last.prompt_tokens,
-                                                                           last.generation_tokens),
+    body = shaper.whole("".join(parts), last.finish_reason, protocol.usage(last.prompt_tokens, last.generation_tokens,
+                                                                           last.cached_tokens),
                         protocol.spel_summary(last.stats, job.queued_s),
                         lps if job.top_logprobs is not None else None)
     return JSONResponse(body)
