@@ -86,7 +86,10 @@ def convert(src: str, dst: str, dtype: str = "F32", progress: bool = True, force
         prog = Progress(f"convert {os.path.basename(os.path.normpath(src))} -> {os.path.basename(dst)}",
                         total, enabled=progress)
         del st, g
-        safetensors_to_spelw(src, dst, progress=prog)
+        try:
+            safetensors_to_spelw(src, dst, progress=prog)
+        finally:
+            prog.close()
         return "safetensors -> SPELW001"
     if os.path.exists(dst) and not os.path.isdir(dst):
         raise CheckpointError(dst, "destination is a file; a folder is expected for SPELW001 -> safetensors")
@@ -96,7 +99,10 @@ def convert(src: str, dst: str, dtype: str = "F32", progress: bool = True, force
     golden = rounded_golden(src, dtype, progress, pack_draft) if dtype != "F32" else None
     prog = Progress(f"convert {os.path.basename(src)} -> {os.path.basename(os.path.normpath(dst))}",
                     os.path.getsize(src), enabled=progress)
-    spelw_to_safetensors(src, dst, dtype=dtype, progress=prog, golden=golden, pack_draft=pack_draft)
+    try:
+        spelw_to_safetensors(src, dst, dtype=dtype, progress=prog, golden=golden, pack_draft=pack_draft)
+    finally:
+        prog.close()      # a 16-bit copy writes fewer bytes than the file read: the bar ends here
     return f"SPELW001 -> safetensors ({dtype}{', draft packed' if pack_draft else ''})"
 
 

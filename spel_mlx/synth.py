@@ -55,6 +55,7 @@ def write_synth(out, cfg: ModelConfig, seed: int, n_golden: int = 16, draft: str
     with SpelwWriter(out, cfg, progress=prog) as w:
         for i, s in enumerate(specs):
             w.write_tensor(s.name, synth_tensor(s, seed, i))
+        prog.close()          # the tensors are the bytes counted; the golden footer follows
         if not golden:
             return {"golden": None}
         w.flush_tensors()

@@ -182,3 +182,43 @@ def test_an_unreadable_tokenizer_is_named(sp_folder):
             load(d)
     finally:
         tok.chmod(0o644)
+
+
+class _Stream:
+    def __init__(self, tty: bool):
+        self.text, self.tty = "", tty
+
+    def write(self, s):
+        self.text += s
+
+    def flush(self):
+        pass
+
+    def isatty(self):
+        return self.tty
+
+
+def test_progress_bars():
+    """Progress draws with tqdm: redrawn in place on a terminal; in a log, whole lines
+    (no carriage returns), the first at 0% and the last at 100%; nothing when disabled;
+    a bar that never reaches its total ends at close()."""
+    from spel_mlx.checkpoints.files import Progress
+    log = _Stream(tty=False)
+    p = Progress("convert a -> b", 8 << 20, stream=log)
+    for done in range(0, (8 << 20) + 1, 1 << 20):
+        p(done)
+    p(8 << 20)                       # after the end: nothing more
+    lines = log.text.splitlines()
+    assert "\r" not in log.text and log.text.endswith("\n") and len(lines) == 2
+    assert lines[0].startswith("convert a -> b:   0%") and lines[-1].startswith("convert a -> b: 100%")
+    assert "8.00M/8.00M" in lines[-1]
+    term = _Stream(tty=True)
+    p = Progress("synth", 100, stream=term)
+    p(50)
+    p.close()
+    assert term.text.startswith("\r") and "50%" in term.text and term.text.endswith("\n")
+    quiet = _Stream(tty=True)
+    p = Progress("x", 100, stream=quiet, enabled=False)
+    p(100)
+    p.close()
+    assert quiet.text == ""

@@ -9,7 +9,6 @@ import re
 import shutil
 import sys
 import tempfile
-import time
 from collections.abc import Mapping
 
 import numpy as np
@@ -71,29 +70,56 @@ def drop_pages(mm, start: int, end: int):
 
 
 class Progress:
-    """Byte progress on stderr: a rewritten line on a terminal, ~10% steps otherwise."""
+    """Byte progress on stderr, drawn by tqdm: a bar redrawn in place on a terminal; to a
+    file or pipe (a log) a line at the start, at most one a minute, and the last one, each
+    on its own line (tqdm alone would join them with carriage returns).  ``enabled``
+    False: nothing.  Called with the bytes done so far; the bar ends at ``total`` or
+    ``close()``."""
+
+    LOG_INTERVAL_S = 60
 
     def __init__(self, label: str, total: int, stream=None, enabled: bool = True):
         self.label, self.total = label, max(int(total), 1)
         self.stream = sys.stderr if stream is None else stream
         self.enabled = enabled
         self.tty = bool(getattr(self.stream, "isatty", lambda: False)())
-        self.last_step, self.t0, self.done = -1, time.perf_counter(), 0
+        self.done = 0
+        self._bar = None
 
     def __call__(self, done: int):
         if not self.enabled:
             return
+        if self._bar is None:
+            from tqdm import tqdm
+            out = self.stream if self.tty else _Lines(self.stream)
+            self._bar = tqdm(total=self.total, desc=self.label, unit="B", unit_scale=True, unit_divisor=1024,
+                             file=out, mininterval=0.1 if self.tty else self.LOG_INTERVAL_S,
+                             dynamic_ncols=self.tty, ncols=None if self.tty else 100, ascii=not self.tty)
+        done = min(int(done), self.total)
+        self._bar.update(done - self.done)
         self.done = done
-        pct = min(100, int(100 * done / self.total))
-        step = pct if self.tty else pct // 10
-        if step == self.last_step:
-            return
-        self.last_step = step
-        mb, tot = done / 2**20, self.total / 2**20
-        msg = f"{self.label}: {pct:3d}% ({mb:.1f}/{tot:.1f} MiB, {time.perf_counter() - self.t0:.1f} s)"
-        self.stream.write(("\r" + msg) if self.tty else (msg + "\n"))
-        if self.tty and pct >= 100:
-            self.stream.write("\n")
+        if done >= self.total:
+            self.close()
+
+    def close(self):
+        if self._bar is not None and self.enabled:
+            self._bar.close()
+        self.enabled = False
+
+
+class _Lines:
+    """A stream for tqdm in a log: each redraw ("\r" + status) starts a new line."""
+
+    def __init__(self, stream):
+        self.stream, self.started = stream, False
+
+    def write(self, s: str):
+        if s.startswith("\r"):
+            s = ("\n" if self.started else "") + s[1:].rstrip(" ")
+        self.started = self.started or bool(s)
+        self.stream.write(s)
+
+    def flush(self):
         self.stream.flush()
 
 
