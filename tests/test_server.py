@@ -409,6 +409,14 @@ def test_prompt_cache(server, client, reference):
     assert after[("spel_prompt_cache_hits_total", ())] - before.get(("spel_prompt_cache_hits_total", ()), 0) == 1
     assert after[("spel_prompt_cache_tokens_total", ())] - before[("spel_prompt_cache_tokens_total", ())] == cached
     assert 0 < after[("spel_prompt_cache_entries", ())] <= 8 and after[("spel_prompt_cache_bytes", ())] > 0
+    # requests in flight together take turns on the one decoding thread: each its own text
+    from concurrent.futures import ThreadPoolExecutor
+    prompts = [turn + " and", "Mr. Darcy said " + first]
+    with ThreadPoolExecutor(2) as pool:
+        got = list(pool.map(lambda p: client.completions.create(model="m", prompt=p, max_tokens=12, temperature=0),
+                            prompts))
+    assert [g.choices[0].text for g in got] == [generate(*reference, p, max_tokens=12, temperature=0) for p in prompts]
+    assert got[1].usage.prompt_tokens_details.cached_tokens == 0
 
 
 def test_openapi_docs(server):

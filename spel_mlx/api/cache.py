@@ -152,7 +152,7 @@ class PrefixCache:
         self.entries: OrderedDict = OrderedDict()    # (ring, strict, tokens) -> Snapshot
         self.lock = threading.Lock()
         self.hits = self.misses = 0
-        self.targets: dict = {}                      # (ring, strict) -> _PrefixTarget, reused
+        self.target: _PrefixTarget | None = None     # reused while calls share its pass shape
 
     def __len__(self) -> int:
         return len(self.entries)
@@ -194,9 +194,10 @@ class PrefixCache:
     def runner(self, prompt: list):
         """The decoder's ``runner(ring, strict)`` for a call on `prompt`."""
         def make(ring: int, strict: bool) -> _PrefixTarget:
-            target = self.targets.get((ring, strict))
-            if target is None:
-                target = self.targets[(ring, strict)] = _PrefixTarget(self.loaded.model, ring, strict, self)
+            # one state at a time (its GDN ring alone is 2 x ring slots of every layer's S)
+            target = self.target
+            if target is None or target.key != (ring, strict):
+                target = self.target = _PrefixTarget(self.loaded.model, ring, strict, self)
             target.start = self.lookup((ring, strict), prompt[:-1]) if self.size else None
             return target
         return make
