@@ -63,7 +63,8 @@ def write_safetensors(path, entries, metadata: dict, progress=None, after_each=N
 
     ``entries``: list of ``(name, dtype, shape, get)``, ``get()`` returning the array
     (called once, when its bytes are due).  ``after_each(name)`` runs after each
-    tensor is written (used to drop the source's mapped pages).
+    tensor is written (used to drop the source's mapped pages); ``progress(done, total)``
+    after each tensor, in bytes of the file written.
     """
     header = {"__metadata__": {str(k): str(v) for k, v in metadata.items()}}
     off = 0
@@ -93,7 +94,7 @@ def write_safetensors(path, entries, metadata: dict, progress=None, after_each=N
             if after_each:
                 after_each(name)
             if progress:
-                progress(done)
+                progress(done, total)
         assert done == total, (done, total)
 
 

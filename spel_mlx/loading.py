@@ -27,16 +27,14 @@ def find_tokenizer_path(tokenizer, ckpt_path: str, vocab: int):
 
 
 def checkpoint_path(checkpoint=None) -> str:
-    """`checkpoint`, else SPEL_WEIGHTS, else the installed default (NoCheckpoint when none)."""
-    from .checkpoints import CheckpointError, default_checkpoint_dir
-    from .settings import setting
-    path = checkpoint or setting("SPEL_WEIGHTS")
-    if path is None:
-        try:
-            path = str(default_checkpoint_dir())
-        except CheckpointError as e:
-            raise NoCheckpoint(str(e)) from None
-    return path
+    """`checkpoint` (a path, or a shipped model's short name), else SPEL_WEIGHTS, else
+    the installed default (NoCheckpoint when none)."""
+    from .checkpoints import CheckpointError
+    from .checkpoints.load import resolve_checkpoint_path
+    try:
+        return resolve_checkpoint_path(checkpoint)
+    except CheckpointError as e:
+        raise NoCheckpoint(str(e)) from None
 
 
 @contextmanager

@@ -79,8 +79,8 @@ def _config(field: str, what: str) -> Setting:
 
 
 _DECLARED = (
-    Setting("SPEL_WEIGHTS", "path", None, "the checkpoint a command or `load()` uses when none is given "
-            "(default: the shipped model)"),
+    Setting("SPEL_WEIGHTS", "path", None, "the checkpoint a command or `load()` uses when none is given: a path, or "
+            "a shipped model's short name (`spel-21m`, `spel-8m`; default: the shipped `spel-21m`)"),
     Setting("SPEL_CONFIG", "config", None, "model config overrides `k=v,...`, as --config (which wins)"),
     _config("d_model", "width"), _config("n_layers", "layers"), _config("n_heads", "heads"),
     _config("head_dim", "per-head width"), _config("d_ff", "FFN width"), _config("vocab", "vocabulary"),

@@ -7,6 +7,9 @@ import spel_mlx  # noqa: F401  (loads the fast BLAS before any test imports mlx)
 # the suite never reads or writes the user's governor store (its own tests point it at a
 # temporary folder): a stored verdict would make one test's calls depend on another's
 os.environ.setdefault("SPEL_GOVERNOR_STORE", "0")
+# the suite decodes with the small shipped pair (2.7x cheaper per token than the default);
+# the default pair has its own tests (test_cli_weights, the README's samples, the wheel)
+os.environ.setdefault("SPEL_WEIGHTS", "spel-8m")
 
 
 def require_or_skip(ok: bool, why: str, env: str = "SPEL_REQUIRE_CROSS"):

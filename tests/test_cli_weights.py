@@ -174,8 +174,9 @@ def test_convert_cli_round_trip_and_errors(synth_file, tmp_path, call):
 
 def test_convert_f16_recomputes_golden_and_verifies(synth_file, tmp_path, call):
     d = tmp_path / "f16"
-    r = call("spel_mlx.convert", str(synth_file), str(d), "--dtype", "f16", "--quiet")
+    r = run("spel_mlx.convert", str(synth_file), str(d), "--dtype", "f16")
     assert r.returncode == 0, r.stderr
+    assert "100%" in r.stderr           # the bar counts the bytes written (half those read)
     v = call("spel_mlx.verify_weights", str(d))
     assert v.returncode == 0 and "safetensors (F16)" in v.stdout, v.stdout + v.stderr
 
@@ -233,3 +234,24 @@ def test_unexpected_exception_is_one_line_exit_3(monkeypatch, capsys, tmp_path):
     monkeypatch.setenv("SPEL_DEBUG", "1")
     with pytest.raises(RuntimeError, match="first line"):
         vw.main([str(tmp_path / "x.spelw")])
+
+
+def test_shipped_models_by_short_name(monkeypatch, tmp_path):
+    from spel_mlx.checkpoints.load import ASSETS_DIR, DEFAULT_DIR, SHIPPED, resolve_checkpoint_path
+    from spel_mlx.reader import load_checkpoint
+    monkeypatch.delenv("SPEL_WEIGHTS", raising=False)
+    assert SHIPPED["spel-21m"] == DEFAULT_DIR.name
+    monkeypatch.chdir(tmp_path)
+    assert resolve_checkpoint_path("spel-8m") == str(ASSETS_DIR / "spel-8m")
+    monkeypatch.setenv("SPEL_WEIGHTS", "spel-21m")
+    assert resolve_checkpoint_path() == str(DEFAULT_DIR)
+    (tmp_path / "spel-8m").mkdir()                 # a local folder of that name wins
+    assert resolve_checkpoint_path("spel-8m") == "spel-8m"
+    with pytest.raises(Exception, match="spel-8m"):
+        load_checkpoint("spel-8m")                 # ... and is read (empty: an error naming it)
+    monkeypatch.chdir(ASSETS_DIR.parent.parent)
+    for name in SHIPPED:                           # each shipped model: its golden logits reproduce
+        ck = load_checkpoint(name)
+        assert ck.stored_dtype == "F16, draft packed", name
+        r = run("spel_mlx.verify_weights", name)
+        assert r.returncode == 0 and r.stdout.strip().splitlines()[-1] == "PASS", r.stdout + r.stderr

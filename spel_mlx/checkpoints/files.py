@@ -73,7 +73,8 @@ class Progress:
     """Byte progress on stderr, drawn by tqdm: a bar redrawn in place on a terminal; to a
     file or pipe (a log) a line at the start, at most one a minute, and the last one, each
     on its own line (tqdm alone would join them with carriage returns).  ``enabled``
-    False: nothing.  Called with the bytes done so far; the bar ends at ``total`` or
+    False: nothing.  Called with the bytes done so far (and, from a writer that knows
+    its output's size better than the caller, that size); the bar ends at ``total`` or
     ``close()``."""
 
     LOG_INTERVAL_S = 60
@@ -86,9 +87,11 @@ class Progress:
         self.done = 0
         self._bar = None
 
-    def __call__(self, done: int):
+    def __call__(self, done: int, total: int | None = None):
         if not self.enabled:
             return
+        if total is not None and self._bar is None:
+            self.total = max(int(total), 1)
         if self._bar is None:
             from tqdm import tqdm
             out = self.stream if self.tty else _Lines(self.stream)

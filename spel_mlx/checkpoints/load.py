@@ -19,8 +19,11 @@ from .footer import Golden
 from .rules import CheckpointError, NonFiniteWeightsWarning
 from .spelw import MAGIC
 
-DEFAULT_DIR = Path(__file__).resolve().parent.parent / "assets" / "default"
+ASSETS_DIR = Path(__file__).resolve().parent.parent / "assets"
+DEFAULT_DIR = ASSETS_DIR / "default"
 DEFAULT_MODEL_FILE = "model.safetensors"
+# the models in the package, by short name -> their folder under assets/
+SHIPPED = {"spel-21m": "default", "spel-8m": "spel-8m"}
 
 
 @dataclass
@@ -67,13 +70,21 @@ def default_checkpoint_dir() -> Path:
     return DEFAULT_DIR
 
 
+def shipped_path(path) -> str:
+    """`path`, or the folder of the shipped model of that short name (SHIPPED) when no
+    file or folder of that name exists here (a local path always wins)."""
+    path = os.fspath(path)
+    if path in SHIPPED and not os.path.lexists(path):
+        return str(ASSETS_DIR / SHIPPED[path])
+    return path
+
+
 def resolve_checkpoint_path(path=None) -> str:
-    """``path``, else $SPEL_WEIGHTS, else the shipped default folder."""
+    """``path``, else $SPEL_WEIGHTS, else the shipped default folder; a short name of
+    SHIPPED stands for that shipped model."""
+    path = path or setting("SPEL_WEIGHTS")
     if path:
-        return os.fspath(path)
-    env = setting("SPEL_WEIGHTS")
-    if env:
-        return env
+        return shipped_path(path)
     return str(default_checkpoint_dir())
 
 
