@@ -7,7 +7,7 @@ penalty 1.1) for both lossless rules.
 
     python bench/heldout_decode.py [--texts 3] [--prompt 64] [--gen 128] [--repeats 3]
                                    [--rows all|greedy|sampled] [--select ar,default]
-                                   [--checkpoint DIR] [--json out.json]
+                                   [--temperature 0.7] [--checkpoint DIR] [--json out.json]
 
 ``--checkpoint`` a random-weight file (``python -m spel_mlx.synth --preset 21m``) gives
 the alpha ~ 0 regime, where spec's default must stay near AR; ``--select`` keeps the
@@ -96,6 +96,8 @@ def main(argv=None) -> int:
     ap.add_argument("--k", type=int, default=4)
     ap.add_argument("--rows", choices=("all", "greedy", "sampled"), default="all")
     ap.add_argument("--select", default="", help="comma-separated words: only rows whose label holds one")
+    ap.add_argument("--temperature", type=float, default=SAMPLED.temperature,
+                    help="of the sampled rows (low acceptance: 1.5)")
     ap.add_argument("--json", default="")
     a = ap.parse_args(argv)
     words = [w for w in a.select.split(",") if w]
@@ -119,6 +121,7 @@ def main(argv=None) -> int:
             draft = None if kind is None else sp.make_proposer(kind, model, weights=ck.weights, k=a.k,
                                                                options=sp.DraftOptions(threads=threads or None,
                                                                                     ahead=ahead))
+            params = replace(params, temperature=a.temperature)
             decoders[label] = (sp.SpeculativeDecoder(model, draft, mode, k=a.k, params=params), "ar, sampled", True)
     llama = peers.build_llama(cfg) if a.rows != "sampled" else None
     rows = []

@@ -81,15 +81,15 @@ def build_parser() -> shared.Parser:
     al.add_argument("--runs", default="runs")
     al.add_argument("--data", default="data/corpus")
     shared.config(al, default=DEFAULT_SHAPE, help=f"model shape, k=v,... (default {DEFAULT_SHAPE})")
-    al.add_argument("--target-min", type=float, default=60.0)
-    al.add_argument("--draft-min", type=float, default=20.0)
-    al.add_argument("--onpolicy-min", type=float, default=6.0,
+    al.add_argument("--target-min", type=float, default=100.0)
+    al.add_argument("--draft-min", type=float, default=10.0)
+    al.add_argument("--onpolicy-min", type=float, default=8.0,
                     help="minutes of target-generated windows for on-policy distillation (0: none)")
-    al.add_argument("--onpolicy-draft-min", type=float, default=12.0,
+    al.add_argument("--onpolicy-draft-min", type=float, default=20.0,
                     help="minutes of draft distillation on them (after --draft-min on text)")
-    al.add_argument("--onpolicy2-min", type=float, default=8.0,
+    al.add_argument("--onpolicy2-min", type=float, default=0.0,
                     help="minutes of more windows for a second on-policy round (0: none)")
-    al.add_argument("--onpolicy2-draft-min", type=float, default=20.0,
+    al.add_argument("--onpolicy2-draft-min", type=float, default=0.0,
                     help="minutes of the second round's distillation (on both rounds' windows)")
     al.add_argument("--vocab", type=int, default=2048)
     al.add_argument("--out", default="spel_mlx/assets/default")

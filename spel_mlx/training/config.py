@@ -5,9 +5,9 @@ from dataclasses import dataclass
 
 from ..config import ModelConfig, parse_config_string
 
-# the shipped model's shape
-DEFAULT_SHAPE = ("d_model=256,n_layers=8,n_heads=4,head_dim=64,d_ff=768,vocab=2048,"
-                 "max_seq=4096,draft_map=0:2:3:5")
+# the shipped default's shape (spel-21m; spel-8m: d_model=256,n_layers=8,n_heads=4,d_ff=768,draft_map=0:2:3:5)
+DEFAULT_SHAPE = ("d_model=384,n_layers=12,n_heads=6,head_dim=64,d_ff=896,vocab=2048,"
+                 "max_seq=4096,draft_map=0:3:6:9")
 
 
 class TrainError(RuntimeError):

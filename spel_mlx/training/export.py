@@ -32,18 +32,21 @@ def export_run(run: str, out_dir: str, dtype: str = "float16", tokenizer_path: s
     quantization grid, golden footer on held-out tokens) and a safetensors model folder
     in ``dtype`` made from it by spel_mlx.convert (golden logits recomputed for the
     rounded weights; ``pack_draft``: the draft's quantized matrices as codes and
-    scales), plus the tokenizer. Returns the folder."""
+    scales), plus the tokenizer (``tokenizer_path``, else the one the run was trained
+    with, else the shipped one). Returns the folder."""
     from ..tokenizer import DEFAULT_SP_MODEL, load_tokenizer
     from ..golden import compute_golden
     from ..checkpoints import Golden, write_spelw
     from ..convert import convert
-    _, cfg, params, _, _ = load_checkpoint_dir(run)
+    state, cfg, params, _, _ = load_checkpoint_dir(run)
     names = [s.name for s in layout.tensor_specs(cfg)]
     missing = [n for n in names if n not in params]
     if missing:
         raise TrainError(f"{run}: checkpoint lacks {missing[0]} (and {len(missing) - 1} more)")
     weights = snap_draft({n: np.array(params[n], dtype=np.float32) for n in names})
-    tok_path = tokenizer_path or DEFAULT_SP_MODEL
+    # the tokenizer the run was trained with, where it still exists
+    trained_with = state.get("train", {}).get("tokenizer", "")
+    tok_path = tokenizer_path or (trained_with if trained_with and os.path.isfile(trained_with) else DEFAULT_SP_MODEL)
     tok = load_tokenizer(cfg.vocab, None if cfg.vocab == 128 else tok_path)
     gt = golden_tokens_from_heldout(data_dir, tok)
     tl, dl = compute_golden(cfg, weights, gt)

@@ -39,8 +39,8 @@ def train_all(a) -> dict:
         train_sentencepiece(os.path.join(a.data, "train.txt"), sp_path, a.vocab)
         lap("tokenizer")
     cfg = model_config(a.config, vocab=a.vocab)
-    train(tr, cfg, TrainConfig(mode="target", budget_min=a.target_min, data=a.data, batch=4,
-                               warmup=40, eval_tokens=8192, ckpt_every=50, tokenizer=sp_path))
+    train(tr, cfg, TrainConfig(mode="target", budget_min=a.target_min, data=a.data, batch=8, lr=1.5e-3,
+                               warmup=100, eval_tokens=16384, ckpt_every=50, tokenizer=sp_path))
     lap("target")
     train(dr, None, TrainConfig(mode="draft", budget_min=a.draft_min, data=a.data, init=tr, batch=4,
                                 lr=1e-3, warmup=20, eval_every=50, eval_tokens=4096,
@@ -54,7 +54,7 @@ def train_all(a) -> dict:
             lap("onpolicy windows")
         final = os.path.join(a.runs, "draft_onpolicy")
         train(final, None, TrainConfig(mode="draft", budget_min=a.onpolicy_draft_min, data=a.data,
-                                       init=dr, batch=4, lr=3e-4, warmup=10, eval_every=50,
+                                       init=dr, batch=4, lr=5e-4, warmup=10, eval_every=50,
                                        eval_tokens=4096, ckpt_every=50, tokenizer=sp_path,
                                        onpolicy=op, onpolicy_frac=0.5))
         lap("draft on-policy")
