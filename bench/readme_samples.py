@@ -12,6 +12,7 @@ tests/test_readme_samples.py runs the check.
 from __future__ import annotations
 
 import argparse
+import os
 import re
 import shlex
 import subprocess
@@ -37,12 +38,17 @@ def folded(text: str) -> str:
     return " ".join(text.split())
 
 
+def clean_env() -> dict:
+    return {k: v for k, v in os.environ.items() if not k.startswith("SPEL_")}
+
+
 def run(command: str, timeout: float = 600) -> str:
-    """What `command` (run from the repository root, "python" being this interpreter) prints."""
+    """What `command` (run from the repository root, "python" being this interpreter) prints,
+    as a newcomer's shell runs it: no SPEL_* variables set."""
     argv = shlex.split(command)
     if argv[0] == "python":
         argv[0] = sys.executable
-    out = subprocess.run(argv, cwd=README.parent, capture_output=True, text=True, timeout=timeout)
+    out = subprocess.run(argv, cwd=README.parent, capture_output=True, text=True, timeout=timeout, env=clean_env())
     if out.returncode:
         raise RuntimeError(f"{command!r} failed ({out.returncode}): {out.stderr.strip()[-2000:]}")
     return out.stdout

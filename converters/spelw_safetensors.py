@@ -12,6 +12,7 @@ from a memory map, dropping each tensor's pages once written.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 
@@ -117,10 +118,11 @@ class SafetensorsModel:
             d = load_json(self.metadata[META_CONFIG], main.path, f"__metadata__.{META_CONFIG}")
             meta_cfg = config_from_fields(d, main.path, f"__metadata__.{META_CONFIG}", 8)
         cj = os.path.join(folder, CONFIG_FILE)
-        json_cfg = None
+        json_cfg, spec_k = None, None
         if os.path.exists(cj):
             d = read_json_file(cj, CONFIG_FILE, MAX_CONFIG_JSON)
             json_cfg = config_from_fields(d, cj, "config.json")
+            spec_k = d.get("spec_k")
         if meta_cfg is None and json_cfg is None:
             raise CheckpointError(main.path, f"no model config: neither __metadata__['{META_CONFIG}'] "
                                   f"nor {CONFIG_FILE} beside it", offset=8, field="__metadata__")
@@ -128,7 +130,13 @@ class SafetensorsModel:
             diff = [k for k in STORED_FIELDS if getattr(meta_cfg, k) != getattr(json_cfg, k)]
             raise CheckpointError(cj, f"config.json contradicts {main.path} __metadata__ on {', '.join(diff)}",
                                   field=diff[0])
-        return meta_cfg if meta_cfg is not None else json_cfg
+        cfg = meta_cfg if meta_cfg is not None else json_cfg
+        if spec_k is None:
+            return cfg
+        # optional, runtime only: the K this model decodes best with (--spec-k and SPEL_SPEC_K still win)
+        if not isinstance(spec_k, int) or isinstance(spec_k, bool) or not 1 <= spec_k <= 16:
+            raise CheckpointError(cj, f"config.json spec_k={spec_k!r}: expected an integer 1..16", field="spec_k")
+        return dataclasses.replace(cfg, spec_k=spec_k)
 
     def _err(self, e, what):
         raise CheckpointError(e.file.path, f"tensor {e.name}: {what}", offset=e.start, field=e.name)

@@ -255,3 +255,32 @@ def test_shipped_models_by_short_name(monkeypatch, tmp_path):
         assert ck.stored_dtype == "F16, draft packed", name
         r = run("spel_mlx.verify_weights", name)
         assert r.returncode == 0 and r.stdout.strip().splitlines()[-1] == "PASS", r.stdout + r.stderr
+
+
+def test_config_json_spec_k_is_the_models_default_k(tmp_path, monkeypatch):
+    import json
+    import shutil
+    from spel_mlx.checkpoints import CheckpointError
+    from spel_mlx.loading import decoding_config
+    from spel_mlx.reader import load_checkpoint
+    monkeypatch.delenv("SPEL_SPEC_K", raising=False)
+    assert load_checkpoint("spel-21m").cfg.spec_k == 3      # chosen from its v(K+1) curve (README)
+    assert load_checkpoint("spel-8m").cfg.spec_k == 4       # no spec_k in its config.json: the SPEC's default
+    d = tmp_path / "m"
+    shutil.copytree(load_checkpoint("spel-8m").source, d)
+    cj = json.loads((d / "config.json").read_text())
+    for k, want in ((7, 7), (None, None), (0, "1..16"), ("3", "1..16"), (True, "1..16")):
+        cj["spec_k"] = k
+        if k is None:
+            del cj["spec_k"]
+        (d / "config.json").write_text(json.dumps(cj))
+        if isinstance(want, str):
+            with pytest.raises(CheckpointError, match=f"spec_k.*{want}"):
+                load_checkpoint(str(d))
+            continue
+        cfg = load_checkpoint(str(d)).cfg
+        assert cfg.spec_k == (want or 4)
+        assert decoding_config(cfg, None, 2).spec_k == 2          # --spec-k wins
+        monkeypatch.setenv("SPEL_SPEC_K", "5")
+        assert decoding_config(cfg).spec_k == 5                   # ... and so does the environment
+        monkeypatch.delenv("SPEL_SPEC_K")

@@ -35,7 +35,7 @@ def test_the_from_python_example_runs():
     section = text[text.index("## From Python"):]
     code = re.search(r"```python\n(.*?)```", section, re.S)[1]
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600,
-                         cwd=rs.README.parent)
+                         cwd=rs.README.parent, env=rs.clean_env())
     assert out.returncode == 0, out.stderr[-2000:]
     # generate(..., "Elizabeth was", max_tokens=48, seed=2) prints the first quote: the CLI's text
     assert rs.folded(out.stdout).startswith(rs.folded(BLOCKS[0][1]))
