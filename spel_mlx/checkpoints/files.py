@@ -154,7 +154,21 @@ def _new_file_mode(path, base: int = 0o666) -> int:
         return base & ~mask
 
 
-class AtomicFile:
+class _CommitOnExit:
+    """A `with` block commits what it wrote when it ends normally and aborts otherwise."""
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, et, ev, tb):
+        if et is None and not self.done:
+            self.commit()
+        else:
+            self.abort()
+        return False
+
+
+class AtomicFile(_CommitOnExit):
     """A temp file beside ``path`` that replaces ``path`` only on commit().
 
     The temp file (``.NAME.XXXXXXXX.tmp``) is flock()ed while it is written, so a
@@ -195,18 +209,8 @@ class AtomicFile:
                 pass
         self.done = True
 
-    def __enter__(self):
-        return self
 
-    def __exit__(self, et, ev, tb):
-        if et is None and not self.done:
-            self.commit()
-        else:
-            self.abort()
-        return False
-
-
-class StagedFolder:
+class StagedFolder(_CommitOnExit):
     """The files of a model folder ``path``, written into a temp folder beside it
     (``.NAME.XXXXXXXX.tmp``, flock()ed like AtomicFile's temp files) and moved into
     place only on commit(): a folder that did not exist (or was empty) appears whole,
@@ -247,16 +251,6 @@ class StagedFolder:
             shutil.rmtree(self.tmp_path, ignore_errors=True)
             os.close(self._fd)
         self.done = True
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, et, ev, tb):
-        if et is None and not self.done:
-            self.commit()
-        else:
-            self.abort()
-        return False
 
 
 def _temp_prefix(path) -> str:
