@@ -12,6 +12,13 @@ os.environ.setdefault("SPEL_GOVERNOR_STORE", "0")
 os.environ.setdefault("SPEL_WEIGHTS", "spel-8m")
 
 
+def served_model_id() -> str:
+    """The id a server started without --model/--model-id gives the model the suite uses."""
+    from spel_mlx.checkpoints.load import resolve_checkpoint_path
+    from spel_mlx.cli.server import model_name
+    return model_name(resolve_checkpoint_path())
+
+
 def require_or_skip(ok: bool, why: str, env: str = "SPEL_REQUIRE_CROSS"):
     """Skip when a tool is missing, unless CI demands it (`env`=1: SPEL_REQUIRE_CROSS for
     the cross compiler and qemu, SPEL_REQUIRE_SERVER for the server extras and Chromium)."""

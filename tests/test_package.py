@@ -165,7 +165,7 @@ def test_a_wheel_installs_and_generates_in_a_fresh_venv(tmp_path):
     assert Path(where).is_relative_to(venv)
     check_runpaths(Path(where))
     import spel_mlx
-    model, tok = spel_mlx.load()
+    model, tok = spel_mlx.load("spel-21m")  # the venv ran without SPEL_*: the default pair
     assert text == repr(spel_mlx.generate(model, tok, "Elizabeth was", max_tokens=16, temperature=0))
     model.close()
     cli = subprocess.run([str(venv / "bin" / "python"), "-m", "spel_mlx", "generate", "--prompt", "It is",

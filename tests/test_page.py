@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 import spel_mlx  # noqa: F401
-from conftest import require_or_skip
+from conftest import require_or_skip, served_model_id
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 DRIVER = shutil.which("chromedriver")
@@ -75,7 +75,7 @@ def _open(browser, server, key=KEY):
     el = browser.find_element(_by("ID"), "api-key")
     el.send_keys(key + "\t")                                     # tab: the change event asks /v1/models
     if key == KEY:
-        _wait(browser, lambda d: d.find_element(_by("ID"), "model").text == "spel-mlx-default", 30)
+        _wait(browser, lambda d: d.find_element(_by("ID"), "model").text == served_model_id(), 30)
 
 
 def _fill(browser, **fields):

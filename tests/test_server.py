@@ -13,7 +13,7 @@ import urllib.request
 import pytest
 
 import spel_mlx  # noqa: F401
-from conftest import require_or_skip
+from conftest import require_or_skip, served_model_id
 from bench.server_load import LiveServer, run_load
 
 KEY = "test-key"
@@ -78,13 +78,13 @@ def wait_for(cond, what, timeout=60):
 
 def test_models(client):
     models = client.models.list()
-    assert [m.id for m in models.data] == ["spel-mlx-default"]
+    assert [m.id for m in models.data] == [served_model_id()]
 
 
 def test_completion_equals_the_python_api(client, reference):
     from spel_mlx import generate
     want = generate(*reference, PROMPT, max_tokens=24, temperature=0)
-    r = client.completions.create(model="spel-mlx-default", prompt=PROMPT, max_tokens=24, temperature=0)
+    r = client.completions.create(model=served_model_id(), prompt=PROMPT, max_tokens=24, temperature=0)
     assert r.choices[0].text == want
     assert r.choices[0].finish_reason == "length"
     assert (r.usage.prompt_tokens, r.usage.completion_tokens) == (len(reference[1].encode(PROMPT)), 24)

@@ -15,7 +15,7 @@ import pytest
 
 import spel_mlx  # noqa: F401
 from bench.server_load import LiveServer
-from conftest import require_or_skip
+from conftest import require_or_skip, served_model_id
 from test_server import KEY, PROMPT, raw_request, send_request, server_packages_missing, wait_for
 
 
@@ -134,7 +134,7 @@ def test_health_without_the_key_lists_no_requests(server):
 def test_models_shows_no_path(server):
     status, body = _get(server, "/v1/models", {"Authorization": f"Bearer {KEY}"})
     spel = json.loads(body)["data"][0]["spel"]
-    assert status == 200 and spel["source"] == "default" and "/" not in spel["source"]
+    assert status == 200 and "spel-mlx-" + spel["source"] == served_model_id() and "/" not in spel["source"]
 
 
 def test_bearer_scheme_is_case_insensitive(server):

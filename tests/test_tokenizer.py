@@ -102,5 +102,5 @@ def test_end_of_text_piece_and_documents(tmp_path):
 def test_shipped_tokenizers_without_the_piece_have_no_eot_id():
     if os.path.exists(SHIPPED):
         # the 7.9M model's tokenizer predates the piece: nothing stops on an id it lacks
-        tok = T.SentencePieceTokenizer(os.path.join(T.ASSETS, "default", "tokenizer.model"))
+        tok = T.SentencePieceTokenizer(os.path.join(T.ASSETS, "spel-8m", "tokenizer.model"))
         assert tok.eot_id is None
