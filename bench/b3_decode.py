@@ -48,6 +48,8 @@ def cost_fields(st, ar_token_s: float, ar_tok_s: float, K: int, governed: bool =
             # tokens over the round costs in AR-token units: spec rounds at (K+1)c+v, AR rounds at 1
             cost = st.spec_rounds * ((K + 1) * c + v) + st.ar_rounds
             m["projected"] = st.tokens / cost if cost else None
+    elif governed and st.spec_rounds == 0 and st.ar_rounds:
+        m["projected"] = 1.0        # the governor verified nothing: every round was AR's
     return m
 
 

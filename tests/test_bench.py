@@ -126,7 +126,9 @@ def test_smoke_cost_model_beside_every_speculative_row(smoke):
         runs = zip(m["alpha"]["runs"], m["c"]["runs"], m["v"]["runs"], m["projected"]["runs"],
                    m["tokens"]["runs"], m["spec_rounds"]["runs"], m["ar_rounds"]["runs"])
         for alpha, c, v, proj, tokens, spec_rounds, ar_rounds in runs:
-            if r["name"] == "default spec":     # governed: drafting and AR rounds weighted
+            if r["name"] == "default spec" and spec_rounds == 0:   # shadow probes verified nothing
+                assert proj == 1.0 and ar_rounds == tokens
+            elif r["name"] == "default spec":     # governed: drafting and AR rounds weighted
                 cost = spec_rounds * ((r["K"] + 1) * c + v) + ar_rounds
                 assert proj == pytest.approx(tokens / cost, rel=1e-9)
             else:

@@ -338,3 +338,88 @@ def test_drafting_ahead_under_suspensions_equals_ar(scripted, pattern, shipped_c
     assert dec.generate(prompt, 60) == ref
     assert dec.stats.ar_rounds > 0 and dec.stats.spec_rounds > 0
     draft.close()
+
+
+# --- shadow probes: unverified proposals compared with the AR tokens after them ----------
+
+def shadow_probe(g, accepted, proposed=4):
+    for a in accepted:
+        g.shadow_round(a, proposed)
+
+
+def test_a_shadow_probe_decides_a_calls_first_drafting():
+    """A fresh call with a proposer that shadows starts with a probe (AR rounds timing the
+    target meanwhile): an agreeing draft then drafts; a useless one backs off 16 AR
+    tokens, then probes again, and a second failure backs off 64."""
+    good = gv.CostGovernor(GovernorConfig(ar_first=2))
+    good.enable_shadow()
+    assert good.probing and not good.drafting and good.ar_rounds_due() > 1
+    feed(good, [(0, 0, 1.0), (0, 0, 1.0)])
+    shadow_probe(good, [4, 3, 4])
+    assert good.drafting and not good.probing and good.resumes == 1 and good.shadow_probes == 1
+    useless = gv.CostGovernor(GovernorConfig(ar_first=2))
+    useless.enable_shadow()
+    feed(useless, [(0, 0, 1.0), (0, 0, 1.0)])
+    shadow_probe(useless, [0, 1, 0])
+    assert not useless.drafting and useless.suspended and useless.ar_rounds_due() == 16
+    feed(useless, [(0, 0, 1.0)] * 16)
+    assert useless.probing and not useless.drafting          # the back-off ends in a probe
+    shadow_probe(useless, [0, 0, 0])
+    assert useless.ar_rounds_due() == 64 and useless.trips == 0    # nothing was verified
+    assert useless.stats()["shadow_proposed"] == 24
+
+
+def test_no_shadow_probe_where_it_is_turned_off():
+    g = gv.CostGovernor(GovernorConfig(ar_first=2, shadow=False))
+    g.enable_shadow()
+    assert not g.probing and not g.shadow
+    feed(g, [(0, 0, 1.0), (0, 0, 1.0)])
+    assert g.drafting                            # it probes by drafting, as before
+
+
+def test_a_shadow_probe_weighs_its_acceptance_against_the_measured_cost():
+    """alpha 0.5 at K=4 emits 3 tokens a round: it pays at a cost of 2 AR tokens a
+    round (1.5x) and not at 3 (1.0x, below 1 + enter_gain)."""
+    for cost, drafts in ((2.0, True), (3.0, False)):
+        g = gv.CostGovernor(GovernorConfig(), memory=gv.GovernorMemory(AR, cost=cost))
+        g.shadow = True
+        g._start_probe()
+        shadow_probe(g, [2, 2, 2])
+        assert g.drafting == drafts, cost
+    # without a measured cost, prior_cost (2.0) stands in
+    g = gv.CostGovernor(GovernorConfig(prior_cost=3.0), memory=gv.GovernorMemory(AR))
+    g.shadow = True
+    g._start_probe()
+    shadow_probe(g, [2, 2, 2])
+    assert not g.drafting
+
+
+def test_entering_and_leaving_drafting_have_different_thresholds():
+    """Hysteresis: at an expected 0.91x of AR (alpha 0.25, rounds costing 2.2 AR tokens)
+    a drafting call keeps drafting (it leaves below 1 - margin = 0.8x) and a probe does
+    not start drafting (it enters from 1 + enter_gain = 1.05x)."""
+    cfg = GovernorConfig(first_rounds=1)
+    drafting = gv.CostGovernor(cfg, memory=gv.GovernorMemory(AR))
+    assert all(feed(drafting, [(1, 4, 2.2)] * 12)) and drafting.trips == 0
+    probe = gv.CostGovernor(cfg, memory=gv.GovernorMemory(AR, cost=2.2))
+    probe.shadow = True
+    probe._start_probe()
+    shadow_probe(probe, [1, 1, 1])
+    assert not probe.drafting and probe.suspended
+
+
+def test_a_failed_shadow_probe_is_remembered_with_the_cost():
+    g = gv.CostGovernor(GovernorConfig(ar_first=1), memory=gv.GovernorMemory(AR, cost=2.5))
+    g.shadow = True
+    g._start_probe()
+    shadow_probe(g, [0, 0, 0])
+    m = g.memory()
+    assert m.useless and m.backoff_left == 16 and m.cost == 2.5 and (m.accepted, m.proposed) == (0, 12)
+    nxt = gv.CostGovernor(GovernorConfig(), memory=m)
+    nxt.enable_shadow()
+    assert nxt.suspended and not nxt.probing and nxt.ar_rounds_due() == 16
+    # a call whose probe found the draft good leaves no verdict, only the times
+    ok = gv.CostGovernor(GovernorConfig(), memory=gv.GovernorMemory(AR, cost=2.0))
+    ok.enable_shadow()
+    assert not ok.probing                    # not fresh: it drafts at once
+    assert not ok.memory().useless and ok.memory().cost == 2.0

@@ -8,6 +8,7 @@ import pytest
 import spel_mlx  # noqa: F401
 import mlx.core as mx
 from spel_mlx.config import ModelConfig
+from spel_mlx.decoding.governor import GovernorConfig
 from spel_mlx.decoding.loop import SpeculativeDecoder, DecodeOptions
 from spel_mlx.decoding.sampling import SamplingParams
 from spel_mlx.model import SpelModel, init_weights
@@ -169,9 +170,10 @@ def test_the_governors_ar_rounds_look_ahead_with_the_same_tokens(monkeypatch):
     monkeypatch.setattr(TargetRunner, "ar_tokens", spy)
     toy = ToyModel(V=12, max_seq=400, draft_noise=40.0)
     p = [3, 1, 4, 1, 5]
+    probe_by_drafting = DecodeOptions(governor=GovernorConfig(shadow=False))
     for lookahead in (True, False):
         stretches.clear()
-        dec = SpeculativeDecoder(toy, MLXProposer(toy, "draft", ring=5), "spec", k=4)
+        dec = SpeculativeDecoder(toy, MLXProposer(toy, "draft", ring=5), "spec", k=4, options=probe_by_drafting)
         dec.lookahead = lookahead
         out = dec.generate(p, 300)
         st = dec.stats
@@ -199,7 +201,8 @@ def test_the_first_drafting_round_after_ar_rounds_is_not_timed(monkeypatch, look
         return plain(self, accepted, proposed, seconds, timed)
     monkeypatch.setattr(CostGovernor, "round", spy)
     toy = ToyModel(V=12, max_seq=400, draft_noise=40.0)
-    dec = SpeculativeDecoder(toy, MLXProposer(toy, "draft", ring=5), "spec", k=4)
+    dec = SpeculativeDecoder(toy, MLXProposer(toy, "draft", ring=5), "spec", k=4,
+                             options=DecodeOptions(governor=GovernorConfig(shadow=False)))
     dec.lookahead = lookahead
     dec.generate([3, 1, 4, 1, 5], 300)
     drafting = [(prev[0], now[1]) for prev, now in zip(seen, seen[1:]) if now[0]]
@@ -353,9 +356,88 @@ def test_the_c_draft_follows_the_governors_ar_rounds(monkeypatch, params):
         monkeypatch.setattr(loop, "FOLLOW_EVERY", follow)
         behind.clear()
         draft = make_proposer("c", model, init_weights(cfg, seed=12), k=4, options=DraftOptions(threads=1, ahead=True))
-        dec = SpeculativeDecoder(model, draft, "spec", k=4, params=params)
+        dec = SpeculativeDecoder(model, draft, "spec", k=4, params=params,
+                                 options=DecodeOptions(governor=GovernorConfig(shadow=False)))
         assert dec.generate(p, 300) == ref
         assert dec.stats.governor_trips >= 1 and behind and not draft._prefilling
         worst[follow] = max(behind)
         draft.close()
     assert worst[16] <= 2 * 16 + 1 < worst[10 ** 9]
+
+
+# --- the governor's shadow probes ------------------------------------------------------
+
+@pytest.mark.parametrize("params", ["greedy", "sampled"])
+def test_a_shadow_probes_acceptance_is_what_a_verification_would_accept(monkeypatch, params):
+    """Every unverified proposal's accepted count is the prefix of it that the emitted
+    text matches at its position (what a verification there would have accepted), and
+    the text is AR's; the drafting that follows the probes happens too (the draft agrees
+    often enough)."""
+    from spel_mlx.decoding.governor import CostGovernor
+    from spel_mlx.decoding.mlx_proposer import MLXProposer
+    shadows, counts = [], []
+    plain_shadow, plain_round = MLXProposer.shadow, CostGovernor.shadow_round
+
+    def shadow(self, history, pending, k, params, seed):
+        out = plain_shadow(self, history, pending, k, params, seed)
+        shadows.append((len(dec.output), out))
+        return out
+
+    def shadow_round(self, accepted, proposed):
+        counts.append(accepted)
+        return plain_round(self, accepted, proposed)
+    monkeypatch.setattr(MLXProposer, "shadow", shadow)
+    monkeypatch.setattr(CostGovernor, "shadow_round", shadow_round)
+    cfg = CFG.replace(max_seq=400)
+    w = init_weights(cfg, seed=11)
+    for j, src in enumerate(cfg.draft_map):     # draft layers copied from the target's: it agrees at times
+        for name in [n for n in w if n.startswith(f"layers.{src}.")]:
+            w["draft." + name.replace(f"layers.{src}.", f"layers.{j}.", 1)] = w[name].copy()
+    model = SpelModel.from_weights(cfg, w)
+    sp = PARAMS[params] if params == "greedy" else SamplingParams(temperature=0.8, top_p=0.95, seed=5)
+    p = prompt(9, 8)
+    ref = decode(model, False, p, 200, params=sp)[0]
+    # the cost prior at its extreme: every probe fails, so probes recur all call long
+    dec = SpeculativeDecoder(model, MLXProposer(model, "draft", ring=5), "spec", k=4, params=sp,
+                             options=DecodeOptions(governor=GovernorConfig(prior_cost=100.0, backoff_growth=1)))
+    out = dec.generate(p, 200)
+    assert out == ref and dec.stats.spec_rounds == 0
+    assert len(counts) >= 10 and 0 < sum(counts) < 4 * len(counts)     # neither none nor all agree
+    for (at, proposal), n in zip(shadows, counts):
+        match = 0
+        while match < len(proposal) and out[at + match] == proposal[match]:
+            match += 1
+        assert n == match, (at, proposal, out[at:at + 4])
+    # and with the default prior the probes let this draft draft
+    dec = SpeculativeDecoder(model, MLXProposer(model, "draft", ring=5), "spec", k=4, params=sp)
+    assert dec.generate(p, 200) == ref and dec.stats.spec_rounds > 0
+
+
+@pytest.mark.parametrize("params", ["greedy", "sampled"])
+def test_a_useless_c_draft_is_never_verified(params):
+    """A C draft of other weights (alpha ~ 0): shadow probes find it useless, so no round
+    verifies a proposal and no K+1-row pass is built; the negative control (probing by
+    drafting rounds) verifies some.  The text is ar's either way."""
+    from spel_mlx.decoding.factory import make_proposer, DraftOptions
+    from spel_mlx.native import clib
+    if not clib.available():
+        pytest.skip("C draft unavailable")
+    sp = PARAMS[params] if params == "greedy" else SamplingParams(temperature=0.7, top_p=0.95, seed=3)
+    cfg = CFG.replace(max_seq=400)
+    model = SpelModel.from_weights(cfg, init_weights(cfg, seed=11))
+    p = prompt(9, 8)
+    ref = decode(model, False, p, 300, params=sp)[0]
+    for shadow in (True, False):
+        draft = make_proposer("c", model, init_weights(cfg, seed=12), k=4, options=DraftOptions(threads=1, ahead=True))
+        dec = SpeculativeDecoder(model, draft, "spec", k=4, params=sp,
+                                 options=DecodeOptions(governor=GovernorConfig(shadow=shadow)))
+        built = model.passes_built
+        assert dec.generate(p, 300) == ref
+        st = dec.stats
+        if shadow:
+            assert st.spec_rounds == 0 and st.extra["shadow_probes"] >= 2 and model.passes_built == built
+            assert st.extra["shadow_accepted"] < st.extra["shadow_proposed"] / 4
+        else:
+            assert st.spec_rounds > 0 and "shadow_probes" not in st.extra
+        assert not draft._prefilling
+        draft.close()

@@ -375,7 +375,10 @@ def test_round_hook_separates_drafted_tokens_from_the_correction():
 
 def test_stats_json_fields():
     model = ToyModel(draft_noise=0.3)
-    dec = SpeculativeDecoder(model, MLXProposer(model, "draft", ring=5), "spec", k=4)
+    # raw speculation: the cost governor would not verify this draft (alpha ~ 0.2, at
+    # its prior cost of a round)
+    dec = SpeculativeDecoder(model, MLXProposer(model, "draft", ring=5), "spec", k=4,
+                             options=DecodeOptions(governor=GovernorConfig(policy="off")))
     dec.generate([1, 2], 20, calibrate=True)
     d = dec.stats.to_dict()
     for key in ("tokens", "rounds", "proposed", "accepted", "alpha", "tokens_per_round",
@@ -462,7 +465,9 @@ def test_real_strict_spec_and_governed_bit_exact(tiny, K):
     for prompt, ref in zip(tiny.prompts, tiny.ref[True]):
         for mode in ("spec", "governed"):
             draft = make_proposer("mlx", tiny.model, k=K, options=DraftOptions(strict=True))
-            dec = SpeculativeDecoder(tiny.model, draft, mode, k=K, options=DecodeOptions(strict=True))
+            # drafting rounds from the start (shadow probes would verify none of a weak draft's)
+            dec = SpeculativeDecoder(tiny.model, draft, mode, k=K,
+                                     options=DecodeOptions(strict=True, governor=GovernorConfig(shadow=False)))
             assert dec.generate(prompt, N_REAL) == ref, (K, mode, prompt)
             if mode == "spec":
                 alphas.append(dec.stats.alpha)

@@ -122,6 +122,15 @@ class CDraftProposer(Proposer):
     def commit(self, n: int):
         self.cdraft.commit(n)
 
+    shadows = True
+
+    def shadow(self, history, pending, k, params, seed) -> list:
+        # the batch's row 0 is `pending`, which the AR round commits anyway: committing it
+        # leaves the committed state a catch-up starts from
+        toks, _ = CDraftProposer.propose(self, history, pending, k, params, seed)
+        self.cdraft.commit(1)
+        return toks
+
     def close(self):
         try:
             self._finish_prefill()
@@ -246,6 +255,11 @@ class CDraftAheadProposer(CDraftProposer):
             self.cdraft.propose_at_async(guess, k, k + 1, True)
             self._running = True
         return proposal, qs
+
+    def shadow(self, history, pending, k, params, seed) -> list:
+        self._join()
+        self._ready = None          # a kept continuation's rows are overwritten by this batch
+        return super().shadow(history, pending, k, params, seed)
 
     def commit(self, n: int):
         t0 = time.perf_counter()

@@ -10,6 +10,12 @@ Both see every round through ``round(accepted, proposed, seconds, timed)`` (prop
 an AR round; timed False: the round built a pass shape, so its time is not the mode's)
 and answer ``drafting`` for the next one.  Greedy output does not
 depend on either: a governor only chooses which rounds verify proposals.
+
+Shadow probes: where the draft can propose without being verified (``enable_shadow``),
+the cost governor decides whether to draft -- at a call's start and after each back-off
+-- from proposals compared with the AR tokens that follow them.  With greedy decoding and
+coupled sampling a proposal's accepted prefix is exactly the prefix those tokens match,
+so a probe measures the acceptance a verification would, without paying one.
 """
 from __future__ import annotations
 
@@ -42,6 +48,11 @@ class GovernorConfig:
     backoff_growth: int = 4      # its factor per probe that trips within a window
     backoff_max: int = 512
     carry_backoff: int = 64      # AR tokens of a back-off that may carry into the next call
+    # shadow probes (a draft that proposes without verification)
+    shadow: bool = True          # probe that way where the proposer can (False: drafting rounds)
+    shadow_rounds: int = 3       # unverified proposals a probe compares with the AR tokens
+    enter_gain: float = 0.05     # drafting resumes only where the expected speed is 1 + this of AR
+    prior_cost: float = 2.0      # (k+1)c + v, AR tokens, before a drafting round has measured it
 
     def policy_for(self, mode: str, params=None) -> str:
         """The policy a mode runs: the configured one, else the original's for governed;
@@ -68,13 +79,16 @@ class GovernorMemory:
     time (the next call then needs no AR rounds to start) and, when the call showed the
     draft useless (``useless``), the back-off it ended in (at most ``carry_backoff`` AR
     tokens) and the acceptance behind that verdict (accepted, proposed), so the next
-    probe is judged on it.  A verdict no round of a call tested passes on unchanged."""
+    probe is judged on it.  A verdict no round of a call tested passes on unchanged.
+    ``cost``: the last measured drafting round's (k+1)c + v, what a shadow probe's
+    verdict weighs its acceptance against (None: not measured, prior_cost)."""
     ar_seconds: float | None = None
     useless: bool = False
     backoff_left: int = 0
     failures: int = 0
     accepted: int = 0
     proposed: int = 0
+    cost: float | None = None
 
 
 def make_governor(cfg: GovernorConfig, mode: str, params=None, memory: GovernorMemory | None = None):
@@ -189,7 +203,7 @@ class CostGovernor:
         self._carried = memory.useless and bool(self.ar_times)
         self.suspended = self._carried and memory.backoff_left > 0
         self.break_even = None       # alpha* of the last drafting round
-        self.cost = None             # its (k+1)c + v, AR tokens
+        self.cost = memory.cost      # its (k+1)c + v, AR tokens (an earlier call's until measured)
         self.alpha_estimate = None
         self._failures = memory.failures if self._carried else 0   # probes in a row that tripped within a window
         self._since_resume = 0       # drafting rounds since the last (re)start
@@ -200,10 +214,31 @@ class CostGovernor:
             self._spec_rounds = self.cfg.first_rounds
         self._ar_needed = 1 if self.ar_times else max(1, self.cfg.ar_first)
         self._since_ar = 0           # drafting rounds since the last AR round
+        self._fresh = memory.ar_seconds is None    # no earlier call: nothing known of the draft
+        self.shadow = False          # probes are unverified proposals (enable_shadow)
+        self.probing = False         # a shadow probe is under way: AR rounds until it decides
+        self._probe = [0, 0, 0]      # its rounds, accepted, proposed
+        self._shadow_verdict = None  # the last probe's: True drafting pays, False it does not
+        self.shadow_probes = 0
+        self.shadow_accepted = self.shadow_proposed = 0
+
+    def enable_shadow(self):
+        """Probe with unverified proposals (the decoder calls this where its proposer can
+        make them): a fresh call, and one carrying a useless verdict, start with a probe
+        instead of drafting rounds; every back-off ends in one."""
+        if not self.cfg.shadow:
+            return
+        self.shadow = True
+        if self._fresh or (self._carried and not self.suspended):
+            self._start_probe()
+
+    def _start_probe(self):
+        self.probing = True
+        self._probe = [0, 0, 0]
 
     @property
     def drafting(self) -> bool:
-        if self.suspended or self._since_ar >= self.cfg.ar_refresh:
+        if self.suspended or self.probing or self._since_ar >= self.cfg.ar_refresh:
             return False
         return len(self.ar_times) >= self._ar_needed
 
@@ -216,6 +251,8 @@ class CostGovernor:
         the rest of a back-off, the AR rounds that time a call's start, or one refresh."""
         if self.suspended:
             return max(1, self._ar_left)
+        if self.probing:
+            return 1 << 16          # until the probe decides
         if self.drafting:
             return 0
         return max(1, self._ar_needed - len(self.ar_times))
@@ -231,9 +268,10 @@ class CostGovernor:
                 self._ar_left -= 1
                 if self._ar_left <= 0:
                     self.suspended = False
-                    self.resumes += 1
-                    self.window.clear()
-                    self._since_resume = 0
+                    if self.shadow:
+                        self._start_probe()
+                    else:
+                        self._resume()
             return
         if not timed:
             self._accepted += accepted
@@ -253,6 +291,45 @@ class CostGovernor:
             # a drafting round does an AR round's work and more: the AR reference is stale
             self.ar_times.clear()
             self._ar_needed = max(1, self.cfg.ar_first)
+
+    def _resume(self):
+        self.resumes += 1
+        self.window.clear()
+        self._since_resume = 0
+
+    def shadow_round(self, accepted: int, proposed: int):
+        """An unverified proposal of `proposed` tokens whose first `accepted` the AR tokens
+        after it matched.  After ``shadow_rounds`` of them the probe decides: drafting
+        resumes where the expected speed, (1 + alpha k) / cost, reaches 1 + enter_gain of
+        AR (alpha the probe's accepted / proposed; cost the last measured drafting
+        round's, this call's or an earlier one's, else prior_cost); otherwise a back-off, grown per
+        probe that failed in a row.  Entering above 1 and leaving below 1 - margin is the
+        hysteresis that keeps a draft near break-even from flipping every few rounds."""
+        if not self.probing or proposed <= 0:
+            return
+        self._probe[0] += 1
+        self._probe[1] += accepted
+        self._probe[2] += proposed
+        self._accepted += accepted
+        self._proposed += proposed
+        self.shadow_accepted += accepted
+        self.shadow_proposed += proposed
+        rounds, acc, prop = self._probe
+        if rounds < self.cfg.shadow_rounds:
+            return
+        self.probing = False
+        self.shadow_probes += 1
+        k, alpha = prop / rounds, acc / prop
+        cost = self.cost if self.cost is not None else self.cfg.prior_cost
+        if (1.0 + alpha * k) / cost >= 1.0 + self.cfg.enter_gain:
+            self._shadow_verdict = True
+            self._failures = 0
+            self._resume()
+            return
+        self._shadow_verdict = False
+        self._failures += 1
+        self._ar_left = min(self.cfg.backoff_max, self.cfg.backoff * self.cfg.backoff_growth ** min(self._failures - 1, 16))
+        self.suspended = True
 
     def losing(self) -> bool:
         """Whether the window's acceptance is below the break-even of its measured cost."""
@@ -275,15 +352,21 @@ class CostGovernor:
         self.trips += 1
 
     def memory(self) -> GovernorMemory:
-        untested = self._carried and self.break_even is None     # no drafting round this call
+        untested = self._carried and self.break_even is None and self._shadow_verdict is None
         useless = untested or (self.suspended and self._failures > 0 and self.break_even is not None
-                               and self._accepted < self.break_even * self._proposed)
+                               and self._accepted < self.break_even * self._proposed) or \
+            (self._shadow_verdict is False and (self.suspended or self.probing))
         if not useless:
-            return GovernorMemory(self.ar_seconds)
+            return GovernorMemory(self.ar_seconds, cost=self.cost)
         return GovernorMemory(self.ar_seconds, useless=True, backoff_left=self._ar_left if self.suspended else 0,
-                              failures=self._failures, accepted=self._accepted, proposed=self._proposed)
+                              failures=self._failures, accepted=self._accepted, proposed=self._proposed,
+                              cost=self.cost)
 
     def stats(self) -> dict:
         r = (lambda x: None if x is None else round(float(x), 4))
-        return {"governor": self.policy, "break_even_alpha": r(self.break_even),
-                "governor_alpha": r(self.alpha_estimate)}
+        out = {"governor": self.policy, "break_even_alpha": r(self.break_even),
+               "governor_alpha": r(self.alpha_estimate)}
+        if self.shadow:
+            out.update(shadow_probes=self.shadow_probes, shadow_accepted=self.shadow_accepted,
+                       shadow_proposed=self.shadow_proposed)
+        return out

@@ -91,6 +91,8 @@ def recall(k: str) -> GovernorMemory | None:
         return None
     if m.ar_seconds is not None and not (isinstance(m.ar_seconds, (int, float)) and 0 < m.ar_seconds < 60):
         return None
+    if m.cost is not None and not (isinstance(m.cost, (int, float)) and 0 < m.cost < 1000):
+        return None
     return m
 
 

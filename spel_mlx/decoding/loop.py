@@ -128,6 +128,8 @@ class SpeculativeDecoder:
         proposer = self.proposer
         gov = make_governor(self.governor_cfg, self.mode, self.params,
                             proposer.governor_memory if proposer is not None else None)
+        if hasattr(gov, "enable_shadow") and getattr(proposer, "shadows", False) and self._looks_ahead():
+            gov.enable_shadow()     # its probes are proposals compared with the AR rounds' tokens
         st = self.stats = DecodeStats(mode=self.mode, draft=(proposer.name if proposer else "none"),
                                       k=(self.k if proposer else 0), strict=self.strict,
                                       prompt_tokens=len(prompt),
@@ -210,7 +212,7 @@ class SpeculativeDecoder:
             if stretch:         # the governor's AR rounds, looking ahead
                 self._drop_next()
                 behind = True
-                pending, stop = self._ar_ahead(call, pending, stretch, follow=True)
+                pending, stop = self._ar_ahead(call, pending, stretch, follow=True, k=k)
                 if stop:
                     return "stop_token"
                 continue
@@ -266,12 +268,13 @@ class SpeculativeDecoder:
         n = min(gov.ar_rounds_due(), remaining, self.cfg.max_seq - self.target.pos)
         return n if n >= 2 else 0
 
-    def _ar_ahead(self, call: Call, pending, count, follow=False):
+    def _ar_ahead(self, call: Call, pending, count, follow=False, k=0):
         """`count` AR rounds through TargetRunner.ar_tokens (each step's pass built while
         the one before runs): the tokens (`_decide`'s) and state of one verification per
         round; `follow`: the governor's AR rounds, each timed and reported to it as its
-        own round, the proposer catching up meanwhile.  Returns (the next pending token,
-        whether a stop token ended it)."""
+        own round, the proposer catching up meanwhile and making the governor's shadow
+        probes of `k` proposals; they end early when the governor turns to drafting.
+        Returns (the next pending token, whether a stop token ended it)."""
         history, gov = call.history, call.gov if follow else None
         last = [pending]       # the token of the row `pick` reads
 
@@ -279,6 +282,7 @@ class SpeculativeDecoder:
             return self._sample_rows(row[None, :], history, last[0], [])[0][0]
 
         st = self.stats
+        probe = None          # a shadow probe's (proposal, tokens matched so far), or "sync"
         steps = self.target.ar_tokens(pending, count, None if self.argmax else pick)
         try:
             while True:
@@ -297,12 +301,41 @@ class SpeculativeDecoder:
                 if gov is not None:   # the round's whole time, as a drafting round's is timed
                     gov.round(0, 0, time.perf_counter() - ta, timed=self._passes_built() == built)
                     st.governor_trips, st.governor_resumes = gov.trips, gov.resumes
-                if follow and len(history) % FOLLOW_EVERY == 0:
-                    self.proposer.start_sync(history)
                 if stop:
                     return pending, True
+                if gov is not None and getattr(gov, "probing", False) and k > 0:
+                    probe = self._shadow(gov, history, pending, probe, k)
+                elif follow and len(history) % FOLLOW_EVERY == 0:
+                    self.proposer.start_sync(history)
+                if gov is not None and gov.drafting:
+                    return pending, False
         finally:
             steps.close()
+
+    def _shadow(self, gov, history, pending, probe, k):
+        """One AR round's part in the governor's shadow probe; returns the probe's state.
+        `pending` is the token this round emitted.  A proposal made after an earlier
+        round is matched against it (its accepted prefix, had it been verified, is the
+        prefix the AR tokens match: greedy and coupled sampling); without one, the draft
+        first catches up on its own thread during the next round, then proposes."""
+        if isinstance(probe, tuple):
+            proposal, j = probe
+            if pending == proposal[j]:
+                j += 1
+                if j < len(proposal):
+                    return proposal, j
+            gov.shadow_round(j, len(proposal))
+            return None
+        if probe is None:
+            self.proposer.start_sync(history)
+            return "sync"
+        k = min(k, self._round_k(len(history), self.call.room()))
+        if k <= 0:
+            return probe
+        ta = time.perf_counter()
+        proposal = self.proposer.shadow(history, pending, k, self.params, self.seed)
+        self.stats.draft_s += time.perf_counter() - ta
+        return (list(proposal), 0) if proposal else None
 
     # -- the steps of a round ------------------------------------------------
     def _passes_built(self) -> int:

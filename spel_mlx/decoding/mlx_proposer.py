@@ -53,6 +53,13 @@ class MLXProposer(Proposer):
         self.forwards += k + 1
         return tokens, qs
 
+    shadows = True
+
+    def shadow(self, history, pending, k, params, seed) -> list:
+        tokens, _ = self.propose(history, pending, k, params, seed)
+        self.commit(1)      # row 0 is `pending`, which the AR round commits anyway
+        return tokens
+
     def _propose_argmax(self, pending, k) -> list:
         # plain greedy: the argmax stays on the device, no logits copied out
         tokens, tok = [], pending

@@ -33,6 +33,7 @@ class Proposer:
     threads = None    # C draft worker threads, where there is one
     governor_memory = None   # what the last call's governor left the next (governor.GovernorMemory)
     max_k = None      # a proposer that sets its own length: the most proposals in a round (None: K)
+    shadows = False   # whether `shadow` proposes (the cost governor's probes)
 
     def reset(self):
         pass
@@ -52,6 +53,12 @@ class Proposer:
 
     def commit(self, n: int):
         pass
+
+    def shadow(self, history, pending, k, params, seed) -> list:
+        """The k tokens ``propose`` would propose here, never to be verified: the proposer
+        commits only `pending` (the governor compares them with the AR tokens that follow;
+        ``shadows`` True where a proposer implements it)."""
+        raise NotImplementedError
 
     def guess(self):
         """(token, q) after a proposal that drafted one position past it (drafting ahead):
