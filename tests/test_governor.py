@@ -379,13 +379,14 @@ def test_no_shadow_probe_where_it_is_turned_off():
 
 def test_a_shadow_probe_weighs_its_acceptance_against_the_measured_cost():
     """alpha 0.5 at K=4 emits 3 tokens a round: it pays at a cost of 2 AR tokens a
-    round (1.5x) and not at 3 (1.0x, below 1 + enter_gain)."""
-    for cost, drafts in ((2.0, True), (3.0, False)):
-        g = gv.CostGovernor(GovernorConfig(), memory=gv.GovernorMemory(AR, cost=cost))
+    round (1.5x) and not at 3 (1.0x, below 1 + enter_gain); a measured cost counts up
+    to prior_cost (a higher one is left to drafting rounds to confirm)."""
+    for cost, prior, drafts in ((2.0, 4.0, True), (3.0, 4.0, False), (3.0, 2.0, True)):
+        g = gv.CostGovernor(GovernorConfig(prior_cost=prior), memory=gv.GovernorMemory(AR, cost=cost))
         g.shadow = True
         g._start_probe()
         shadow_probe(g, [2, 2, 2])
-        assert g.drafting == drafts, cost
+        assert g.drafting == drafts, (cost, prior)
     # without a measured cost, prior_cost (2.0) stands in
     g = gv.CostGovernor(GovernorConfig(prior_cost=3.0), memory=gv.GovernorMemory(AR))
     g.shadow = True
@@ -398,7 +399,7 @@ def test_entering_and_leaving_drafting_have_different_thresholds():
     """Hysteresis: at an expected 0.91x of AR (alpha 0.25, rounds costing 2.2 AR tokens)
     a drafting call keeps drafting (it leaves below 1 - margin = 0.8x) and a probe does
     not start drafting (it enters from 1 + enter_gain = 1.05x)."""
-    cfg = GovernorConfig(first_rounds=1)
+    cfg = GovernorConfig(first_rounds=1, prior_cost=3.0)
     drafting = gv.CostGovernor(cfg, memory=gv.GovernorMemory(AR))
     assert all(feed(drafting, [(1, 4, 2.2)] * 12)) and drafting.trips == 0
     probe = gv.CostGovernor(cfg, memory=gv.GovernorMemory(AR, cost=2.2))

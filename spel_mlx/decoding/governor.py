@@ -302,8 +302,9 @@ class CostGovernor:
         after it matched.  After ``shadow_rounds`` of them the probe decides: drafting
         resumes where the expected speed, (1 + alpha k) / cost, reaches 1 + enter_gain of
         AR (alpha the probe's accepted / proposed; cost the last measured drafting
-        round's, this call's or an earlier one's, else prior_cost); otherwise a back-off, grown per
-        probe that failed in a row.  Entering above 1 and leaving below 1 - margin is the
+        round's, this call's or an earlier one's, at most prior_cost: a call's first
+        rounds measure high, and drafting rounds that trip again grow the back-off);
+        otherwise a back-off, grown per probe that failed in a row.  Entering above 1 and leaving below 1 - margin is the
         hysteresis that keeps a draft near break-even from flipping every few rounds."""
         if not self.probing or proposed <= 0:
             return
@@ -320,7 +321,7 @@ class CostGovernor:
         self.probing = False
         self.shadow_probes += 1
         k, alpha = prop / rounds, acc / prop
-        cost = self.cost if self.cost is not None else self.cfg.prior_cost
+        cost = min(self.cost, self.cfg.prior_cost) if self.cost is not None else self.cfg.prior_cost
         if (1.0 + alpha * k) / cost >= 1.0 + self.cfg.enter_gain:
             self._shadow_verdict = True
             self._failures = 0
