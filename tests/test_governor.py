@@ -379,20 +379,37 @@ def test_no_shadow_probe_where_it_is_turned_off():
 
 def test_a_shadow_probe_weighs_its_acceptance_against_the_measured_cost():
     """alpha 0.5 at K=4 emits 3 tokens a round: it pays at a cost of 2 AR tokens a
-    round (1.5x) and not at 3 (1.0x, below 1 + enter_gain); a measured cost counts up
-    to prior_cost (a higher one is left to drafting rounds to confirm)."""
-    for cost, prior, drafts in ((2.0, 4.0, True), (3.0, 4.0, False), (3.0, 2.0, True)):
+    round (1.5x) and not at 3 (1.0x, below 1 + enter_gain), whatever prior_cost says."""
+    for cost, prior, drafts in ((2.0, 4.0, True), (3.0, 4.0, False), (3.0, 2.0, False)):
         g = gv.CostGovernor(GovernorConfig(prior_cost=prior), memory=gv.GovernorMemory(AR, cost=cost))
         g.shadow = True
         g._start_probe()
         shadow_probe(g, [2, 2, 2])
         assert g.drafting == drafts, (cost, prior)
-    # without a measured cost, prior_cost (2.0) stands in
+    # without a measured cost, prior_cost stands in
     g = gv.CostGovernor(GovernorConfig(prior_cost=3.0), memory=gv.GovernorMemory(AR))
     g.shadow = True
     g._start_probe()
     shadow_probe(g, [2, 2, 2])
     assert not g.drafting
+
+
+def test_a_high_cost_is_measured_again_after_failed_probes():
+    """A measured cost of 3 keeps an alpha-0.5 draft out, but not for ever: after
+    recheck_after failed probes in a row the prior (2.0) decides, so drafting rounds
+    measure the cost again (a useless draft stays out: the prior does not help it)."""
+    for accepted, enters in ((2, True), (0, False)):
+        g = gv.CostGovernor(GovernorConfig(), memory=gv.GovernorMemory(AR, cost=3.0))
+        g.shadow = True
+        g._start_probe()
+        verdicts = []
+        for _ in range(4):
+            shadow_probe(g, [accepted] * 3)
+            verdicts.append(g.drafting)
+            if g.drafting:
+                break
+            feed(g, [(0, 0, 1.0)] * g.ar_rounds_due())
+        assert verdicts == ([False] * 3 + [True] if enters else [False] * 4), accepted
 
 
 def test_entering_and_leaving_drafting_have_different_thresholds():

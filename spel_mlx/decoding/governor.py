@@ -53,6 +53,7 @@ class GovernorConfig:
     shadow_rounds: int = 3       # unverified proposals a probe compares with the AR tokens
     enter_gain: float = 0.05     # drafting resumes only where the expected speed is 1 + this of AR
     prior_cost: float = 2.0      # (k+1)c + v, AR tokens, before a drafting round has measured it
+    recheck_after: int = 3       # failed probes in a row after which the prior stands in again
 
     def policy_for(self, mode: str, params=None) -> str:
         """The policy a mode runs: the configured one, else the original's for governed;
@@ -302,8 +303,9 @@ class CostGovernor:
         after it matched.  After ``shadow_rounds`` of them the probe decides: drafting
         resumes where the expected speed, (1 + alpha k) / cost, reaches 1 + enter_gain of
         AR (alpha the probe's accepted / proposed; cost the last measured drafting
-        round's, this call's or an earlier one's, at most prior_cost: a call's first
-        rounds measure high, and drafting rounds that trip again grow the back-off);
+        round's, this call's or an earlier one's, else prior_cost; prior_cost too after
+        recheck_after failed probes in a row, so a cost measured high on a busy moment
+        is measured again, at one window of drafting rounds per long back-off);
         otherwise a back-off, grown per probe that failed in a row.  Entering above 1 and leaving below 1 - margin is the
         hysteresis that keeps a draft near break-even from flipping every few rounds."""
         if not self.probing or proposed <= 0:
@@ -321,7 +323,8 @@ class CostGovernor:
         self.probing = False
         self.shadow_probes += 1
         k, alpha = prop / rounds, acc / prop
-        cost = min(self.cost, self.cfg.prior_cost) if self.cost is not None else self.cfg.prior_cost
+        stale = self.cost is None or self._failures >= self.cfg.recheck_after
+        cost = self.cfg.prior_cost if stale else self.cost
         if (1.0 + alpha * k) / cost >= 1.0 + self.cfg.enter_gain:
             self._shadow_verdict = True
             self._failures = 0
