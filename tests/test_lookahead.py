@@ -408,8 +408,9 @@ def test_a_shadow_probes_acceptance_is_what_a_verification_would_accept(monkeypa
         while match < len(proposal) and out[at + match] == proposal[match]:
             match += 1
         assert n == match, (at, proposal, out[at:at + 4])
-    # and with the default prior the probes let this draft draft
-    dec = SpeculativeDecoder(model, MLXProposer(model, "draft", ring=5), "spec", k=4, params=sp)
+    # and where rounds are priced cheap, the same probes let this draft draft
+    dec = SpeculativeDecoder(model, MLXProposer(model, "draft", ring=5), "spec", k=4, params=sp,
+                             options=DecodeOptions(governor=GovernorConfig(prior_cost=1.0)))
     assert dec.generate(p, 200) == ref and dec.stats.spec_rounds > 0
 
 

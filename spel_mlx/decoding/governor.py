@@ -302,7 +302,9 @@ class CostGovernor:
         """An unverified proposal of `proposed` tokens whose first `accepted` the AR tokens
         after it matched.  After ``shadow_rounds`` of them the probe decides: drafting
         resumes where the expected speed, (1 + alpha k) / cost, reaches 1 + enter_gain of
-        AR (alpha the probe's accepted / proposed; cost the last measured drafting
+        AR (alpha the probe's accepted / proposed, shrunk towards the call's own acceptance
+        by prior_rounds pseudo-rounds as the drafting window's is, so entering and leaving
+        judge one estimate; a call's first probe has no record to shrink towards; cost the last measured drafting
         round's, this call's or an earlier one's, else prior_cost; prior_cost too after
         recheck_after failed probes in a row, so a cost measured high on a busy moment
         is measured again, at one window of drafting rounds per long back-off);
@@ -323,6 +325,10 @@ class CostGovernor:
         self.probing = False
         self.shadow_probes += 1
         k, alpha = prop / rounds, acc / prop
+        before = self._proposed - prop          # the call's record before this probe
+        if before > 0:
+            prior = self.cfg.prior_rounds * k
+            alpha = (acc + prior * (self._accepted - acc) / before) / (prop + prior)
         stale = self.cost is None or self._failures >= self.cfg.recheck_after
         cost = self.cfg.prior_cost if stale else self.cost
         if (1.0 + alpha * k) / cost >= 1.0 + self.cfg.enter_gain:
