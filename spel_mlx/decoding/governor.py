@@ -13,7 +13,7 @@ depend on either: a governor only chooses which rounds verify proposals.
 
 Shadow probes: where the draft can propose without being verified (``enable_shadow``),
 the cost governor decides whether to draft -- at a call's start and after each back-off
--- from proposals compared with the AR tokens that follow them.  With greedy decoding and
+until the call has drafted -- from proposals compared with the AR tokens that follow them.  With greedy decoding and
 coupled sampling a proposal's accepted prefix is exactly the prefix those tokens match,
 so a probe measures the acceptance a verification would, without paying one.
 """
@@ -226,7 +226,9 @@ class CostGovernor:
     def enable_shadow(self):
         """Probe with unverified proposals (the decoder calls this where its proposer can
         make them): a fresh call, and one carrying a useless verdict, start with a probe
-        instead of drafting rounds; every back-off ends in one."""
+        instead of drafting rounds, and so does every back-off until the call has drafted.
+        Once it has, drafting rounds re-probe, as without: they measure the round cost
+        that a shadow probe's verdict can only assume (near break-even the two disagree)."""
         if not self.cfg.shadow:
             return
         self.shadow = True
@@ -269,7 +271,8 @@ class CostGovernor:
                 self._ar_left -= 1
                 if self._ar_left <= 0:
                     self.suspended = False
-                    if self.shadow:
+                    if self.shadow and self.break_even is None:
+                        # nothing drafted this call yet: a probe that verifies nothing
                         self._start_probe()
                     else:
                         self._resume()
