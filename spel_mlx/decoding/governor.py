@@ -13,9 +13,10 @@ depend on either: a governor only chooses which rounds verify proposals.
 
 Shadow probes: where the draft can propose without being verified (``enable_shadow``),
 the cost governor decides whether to draft -- at a call's start and after each back-off
-until the call has drafted -- from proposals compared with the AR tokens that follow them.  With greedy decoding and
-coupled sampling a proposal's accepted prefix is exactly the prefix those tokens match,
-so a probe measures the acceptance a verification would, without paying one.
+until the call has drafted -- from proposals compared with the AR tokens that follow
+them.  With greedy decoding and coupled sampling a proposal's accepted prefix is exactly
+the prefix those tokens match, so a probe measures the acceptance a verification would,
+without paying one.
 """
 from __future__ import annotations
 
@@ -296,6 +297,10 @@ class CostGovernor:
             self.ar_times.clear()
             self._ar_needed = max(1, self.cfg.ar_first)
 
+    def _backoff(self, grown: int) -> int:
+        """AR tokens before the next probe, after `grown` growths."""
+        return min(self.cfg.backoff_max, self.cfg.backoff * self.cfg.backoff_growth ** min(grown, 16))
+
     def _resume(self):
         self.resumes += 1
         self.window.clear()
@@ -305,14 +310,14 @@ class CostGovernor:
         """An unverified proposal of `proposed` tokens whose first `accepted` the AR tokens
         after it matched.  After ``shadow_rounds`` of them the probe decides: drafting
         resumes where the expected speed, (1 + alpha k) / cost, reaches 1 + enter_gain of
-        AR (alpha the probe's accepted / proposed, shrunk towards the call's own acceptance
-        by prior_rounds pseudo-rounds as the drafting window's is, so entering and leaving
-        judge one estimate; a call's first probe has no record to shrink towards; cost the last measured drafting
-        round's, this call's or an earlier one's, else prior_cost; prior_cost too after
-        recheck_after failed probes in a row, so a cost measured high on a busy moment
-        is measured again, at one window of drafting rounds per long back-off);
-        otherwise a back-off, grown per probe that failed in a row.  Entering above 1 and leaving below 1 - margin is the
-        hysteresis that keeps a draft near break-even from flipping every few rounds."""
+        AR, else a back-off grown per probe that failed in a row.  alpha: the probe's
+        accepted / proposed, shrunk towards the call's record by prior_rounds pseudo-rounds
+        as the drafting window's estimate is (a call's first probe has no record).  cost:
+        the last measured drafting round's, this call's or an earlier one's, else
+        prior_cost, and prior_cost again after recheck_after failed probes in a row, so a
+        cost measured high at a busy moment is measured again.  Entering above 1 and
+        leaving below 1 - margin is the hysteresis that keeps a draft near break-even from
+        flipping every few rounds."""
         if not self.probing or proposed <= 0:
             return
         self._probe[0] += 1
@@ -341,7 +346,7 @@ class CostGovernor:
             return
         self._shadow_verdict = False
         self._failures += 1
-        self._ar_left = min(self.cfg.backoff_max, self.cfg.backoff * self.cfg.backoff_growth ** min(self._failures - 1, 16))
+        self._ar_left = self._backoff(self._failures - 1)
         self.suspended = True
 
     def losing(self) -> bool:
@@ -360,7 +365,7 @@ class CostGovernor:
     def _suspend(self):
         failed_probe = (self.trips or self._carried) and self._since_resume <= self.window.maxlen
         self._failures = self._failures + 1 if failed_probe else 0
-        self._ar_left = min(self.cfg.backoff_max, self.cfg.backoff * self.cfg.backoff_growth ** min(self._failures, 16))
+        self._ar_left = self._backoff(self._failures)
         self.suspended = True
         self.trips += 1
 
