@@ -358,8 +358,9 @@ def test_notebank_to_spec_keeps_greedy_fidelity(toy):
     top = bank.retrieve(st, needles[0].query).top
     prompt = ctx + [t for n in bank.replay_order(top) for t in bank.span_tokens(n)] + needles[0].query
     ar = spec.SpeculativeDecoder(model, None, mode="ar", k=4, options=spec.DecodeOptions(strict=True)).generate(prompt, 12)
-    sd = spec.SpeculativeDecoder(model, MLXProposer(model, "draft", ring=5, strict=True),
-                                 mode="spec", k=4, options=spec.DecodeOptions(strict=True))
+    # raw speculation (the fidelity suites' policy): every round drafts, so fidelity is tested
+    sd = spec.SpeculativeDecoder(model, MLXProposer(model, "draft", ring=5, strict=True), mode="spec", k=4,
+                                 options=spec.DecodeOptions(strict=True, governor=spec.GovernorConfig(policy="off")))
     try:
         out = sd.generate(prompt, 12)
     finally:

@@ -10,6 +10,7 @@
     auto.py          n-gram, else a model proposer behind a gate
     factory.py       proposers by --draft name
     governor.py      suspends drafting when acceptance falls
+    shadow.py        the governor's shadow probes: unverified proposals during AR rounds
     stats.py         DecodeStats (the --stats JSON, c and v)
     sampling.py      transforms and the lossless residual rule
     placement.py     calibrates target/draft placements by the cost model

@@ -26,6 +26,7 @@ from . import sampling as smp
 from .call import Call, RoundResult
 from .governor import GovernorConfig, make_governor
 from .proposer import Proposer
+from .shadow import ShadowProbe
 from .stats import DecodeStats
 from .target import TargetRunner
 
@@ -282,7 +283,8 @@ class SpeculativeDecoder:
             return self._sample_rows(row[None, :], history, last[0], [])[0][0]
 
         st = self.stats
-        probe = None          # a shadow probe's (proposal, tokens matched so far), or "sync"
+        probe = (ShadowProbe(gov, self.proposer, lambda n: min(k, self._round_k(n, call.room())), st,
+                             self.params, self.seed) if gov is not None and k > 0 else None)
         steps = self.target.ar_tokens(pending, count, None if self.argmax else pick)
         try:
             while True:
@@ -303,39 +305,14 @@ class SpeculativeDecoder:
                     st.governor_trips, st.governor_resumes = gov.trips, gov.resumes
                 if stop:
                     return pending, True
-                if gov is not None and getattr(gov, "probing", False) and k > 0:
-                    probe = self._shadow(gov, history, pending, probe, k)
+                if probe is not None and getattr(gov, "probing", False):
+                    probe.after_round(history, pending)
                 elif follow and len(history) % FOLLOW_EVERY == 0:
                     self.proposer.start_sync(history)
                 if gov is not None and gov.drafting:
                     return pending, False
         finally:
             steps.close()
-
-    def _shadow(self, gov, history, pending, probe, k):
-        """One AR round's part in the governor's shadow probe; returns the probe's state.
-        `pending` is the token this round emitted.  A proposal made after an earlier
-        round is matched against it (its accepted prefix, had it been verified, is the
-        prefix the AR tokens match: greedy and coupled sampling); without one, the draft
-        first catches up on its own thread during the next round, then proposes."""
-        if isinstance(probe, tuple):
-            proposal, j = probe
-            if pending == proposal[j]:
-                j += 1
-                if j < len(proposal):
-                    return proposal, j
-            gov.shadow_round(j, len(proposal))
-            return None
-        if probe is None:
-            self.proposer.start_sync(history)
-            return "sync"
-        k = min(k, self._round_k(len(history), self.call.room()))
-        if k <= 0:
-            return probe
-        ta = time.perf_counter()
-        proposal = self.proposer.shadow(history, pending, k, self.params, self.seed)
-        self.stats.draft_s += time.perf_counter() - ta
-        return (list(proposal), 0) if proposal else None
 
     # -- the steps of a round ------------------------------------------------
     def _passes_built(self) -> int:
