@@ -284,7 +284,7 @@ class SpeculativeDecoder:
 
         st = self.stats
         probe = (ShadowProbe(gov, self.proposer, lambda n: min(k, self._round_k(n, call.room())), st,
-                             self.params, self.seed) if gov is not None and k > 0 else None)
+                             self.params, self.seed) if getattr(gov, "shadow", False) and k > 0 else None)
         steps = self.target.ar_tokens(pending, count, None if self.argmax else pick)
         try:
             while True:
@@ -305,7 +305,7 @@ class SpeculativeDecoder:
                     st.governor_trips, st.governor_resumes = gov.trips, gov.resumes
                 if stop:
                     return pending, True
-                if probe is not None and getattr(gov, "probing", False):
+                if probe is not None and gov.probing:
                     probe.after_round(history, pending)
                 elif follow and len(history) % FOLLOW_EVERY == 0:
                     self.proposer.start_sync(history)
