@@ -536,6 +536,38 @@ def test_aligned_copy_starts_on_a_cache_line_and_keeps_every_value():
         E.aligned_copy(mx.transpose(_rand((4, 4), 1)))
 
 
+@pytest.mark.parametrize("rows,cols,rb", [(256, 64, 64), (96, 40, 32), (48, 17, 48), (16, 24, 8), (1, 3, 1)])
+def test_weight_blocks_equal_the_mlx_layout_bit_for_bit(rows, cols, rb):
+    """The one-pass C++ layout: block b holds rows b*rb.. transposed, exactly the MLX
+    copy of the strided view (float32), and its float16 where the weights are exactly
+    binary16; on a cache line, huge-page advice or not."""
+    E = cpu_ops._spel_cpu
+    W = _rand((rows, cols), 5)
+    mx.eval(W)
+    want = np.asarray(mx.contiguous(W.reshape(rows // rb, rb, cols).transpose(0, 2, 1)))
+    Wh = W.astype(mx.float16).astype(mx.float32)
+    mx.eval(Wh)
+    wanth = np.asarray(mx.contiguous(Wh.reshape(rows // rb, rb, cols).transpose(0, 2, 1)).astype(mx.float16))
+    for simd in (True, False):           # the 8 x 8 register tiles and the scalar reference
+        old = E.set_simd(simd)
+        try:
+            for huge in (False, True):
+                b = E.weight_blocks(W, rb, False, huge)
+                assert b.shape == want.shape and b.dtype == mx.float32 and _address(b) % 64 == 0
+                assert np.array_equal(np.asarray(b).view(np.uint32), want.view(np.uint32))
+            bh = E.weight_blocks(Wh, rb, True)
+            assert bh.dtype == mx.float16 and np.array_equal(np.asarray(bh).view(np.uint16), wanth.view(np.uint16))
+        finally:
+            E.set_simd(old)
+    assert np.array_equal(np.asarray(bh * 2), wanth.astype(np.float32) * 2)      # an ordinary input
+    with pytest.raises(ValueError, match="must divide"):
+        E.weight_blocks(W, rows + 1)
+    with pytest.raises(ValueError, match="row-contiguous float32"):
+        E.weight_blocks(mx.transpose(W), rb)
+    with pytest.raises(ValueError, match="row-contiguous float32"):
+        E.weight_blocks(Wh.astype(mx.float16), rb)
+
+
 def test_pass_weight_blocks_start_on_cache_lines(models):
     """The products read 256-byte block rows: every layout the fused pass captured starts
     on a cache line, and its values are the weight's."""

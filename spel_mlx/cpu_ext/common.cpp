@@ -2,12 +2,18 @@
 // variant runs, and the per-kind timing of the bodies.
 #include "common.h"
 
+#ifdef __linux__
+#include <sys/mman.h>
+#endif
+
+#include <algorithm>
 #include <chrono>
 #include <cstring>
 #include <stdexcept>
 #include <string>
 
 #include "mlx/allocator.h"
+#include "mlx/types/half_types.h"
 #include "mlx/backend/cpu/encoder.h"
 #include "ops.h"
 
@@ -68,19 +74,124 @@ void CpuPrimitive::eval_cpu(const std::vector<mx::array>& in, std::vector<mx::ar
 
 // MLX's CPU buffers start 8 bytes past a 16-byte boundary (the allocator's size
 // header), so the 256-byte rows of a weight block straddle cache lines on every other
-// vector load; the copy starts on a cache line.
+// vector load; these arrays start on a cache line.  `huge`: the 2 MB pages inside the
+// buffer are advised huge before anything touches them, so the first writes map them
+// that way (no later collapse copies them).
+static mx::array aligned_array(const mx::Shape& shape, mx::Dtype dtype, bool huge) {
+  constexpr uintptr_t LINE = 64;
+  size_t nbytes = dtype.size();
+  for (auto n : shape) nbytes *= static_cast<size_t>(n);
+  auto d = mx::allocator::malloc(nbytes + LINE);
+  const auto raw = reinterpret_cast<uintptr_t>(d.buffer().raw_ptr());
+  const int64_t off = static_cast<int64_t>((LINE - (raw & (LINE - 1))) & (LINE - 1));
+#ifdef __linux__
+  constexpr uintptr_t HUGE = uintptr_t(2) << 20;
+  const uintptr_t lo = (raw + HUGE - 1) & ~(HUGE - 1), hi = (raw + nbytes + LINE) & ~(HUGE - 1);
+  if (huge && hi > lo) madvise(reinterpret_cast<void*>(lo), hi - lo, MADV_HUGEPAGE);
+#else
+  (void)huge;
+#endif
+  mx::Strides strides(shape.size(), 1);
+  for (int i = static_cast<int>(shape.size()) - 2; i >= 0; i--) strides[i] = strides[i + 1] * shape[i + 1];
+  mx::array out(shape, dtype, nullptr, {});
+  const auto dims = std::count_if(shape.begin(), shape.end(), [](int n) { return n > 1; });
+  mx::array::Flags flags{true, true, dims <= 1};
+  out.set_data(std::move(d), nbytes / dtype.size(), strides, flags, off);
+  return out;
+}
+
 mx::array aligned_copy(const mx::array& a) {
   if (!a.is_available() || !a.flags().row_contiguous)
     throw std::invalid_argument("aligned_copy: expected an evaluated row-contiguous array");
-  constexpr uintptr_t LINE = 64;
-  auto d = mx::allocator::malloc(a.nbytes() + LINE);
-  const auto raw = reinterpret_cast<uintptr_t>(d.buffer().raw_ptr());
-  const int64_t off = static_cast<int64_t>((LINE - (raw & (LINE - 1))) & (LINE - 1));
-  mx::Strides strides(a.ndim(), 1);
-  for (int i = static_cast<int>(a.ndim()) - 2; i >= 0; i--) strides[i] = strides[i + 1] * a.shape(i + 1);
-  mx::array out(a.shape(), a.dtype(), nullptr, {});
-  out.set_data(std::move(d), a.size(), strides, a.flags(), off);
+  mx::array out = aligned_array(a.shape(), a.dtype(), false);
   std::memcpy(out.data<char>(), a.data<char>(), a.nbytes());
+  out.set_status(mx::array::Status::available);
+  return out;
+}
+
+// One pass from W [R, C] to its [R/rb, C, rb] blocks (block b is rows b*rb.. transposed),
+// in tiles of 16 columns so each row's reads stay in a cache line.  The scalar reference.
+template <typename T>
+static void transpose_blocks(const float* W, T* out, int64_t R, int64_t C, int64_t rb) {
+  constexpr int64_t TC = 16;
+  for (int64_t b = 0; b < R / rb; b++) {
+    T* ob = out + b * C * rb;
+    const float* wb = W + b * rb * C;
+    for (int64_t c0 = 0; c0 < C; c0 += TC) {
+      const int64_t c1 = std::min(C, c0 + TC);
+      for (int64_t r = 0; r < rb; r++) {
+        const float* wr = wb + r * C;
+        for (int64_t c = c0; c < c1; c++) ob[c * rb + r] = static_cast<T>(wr[c]);
+      }
+    }
+  }
+}
+
+#if SPEL_AVX2
+// The same in 8 x 8 tiles transposed in registers (rb and C multiples of 8); to float16
+// with F16C's round-to-nearest-even, as the scalar conversion.
+template <bool HALF>
+SPEL_TARGET_AVX2 __attribute__((target("f16c"))) static void transpose_blocks_avx2(
+    const float* W, void* out, int64_t R, int64_t C, int64_t rb) {
+  for (int64_t b = 0; b < R / rb; b++) {
+    const float* wb = W + b * rb * C;
+    for (int64_t c = 0; c < C; c += 8)
+      for (int64_t r = 0; r < rb; r += 8) {
+        __m256 x[8], t[8];
+        for (int i = 0; i < 8; i++) x[i] = _mm256_loadu_ps(wb + (r + i) * C + c);
+        for (int i = 0; i < 8; i += 2) {
+          t[i] = _mm256_unpacklo_ps(x[i], x[i + 1]);
+          t[i + 1] = _mm256_unpackhi_ps(x[i], x[i + 1]);
+        }
+        for (int i = 0; i < 8; i += 4) {
+          x[i] = _mm256_shuffle_ps(t[i], t[i + 2], 0x44);
+          x[i + 1] = _mm256_shuffle_ps(t[i], t[i + 2], 0xEE);
+          x[i + 2] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0x44);
+          x[i + 3] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0xEE);
+        }
+        // x[0..3]: columns c..c+3 of rows r..r+3 (low lanes) and r+4.. from x[4..7]
+        for (int i = 0; i < 4; i++) {
+          t[i] = _mm256_permute2f128_ps(x[i], x[i + 4], 0x20);
+          t[i + 4] = _mm256_permute2f128_ps(x[i], x[i + 4], 0x31);
+        }
+        const int64_t base = b * C * rb + r;
+        for (int j = 0; j < 8; j++) {
+          const int64_t o = base + (c + j) * rb;
+          if constexpr (HALF)
+            _mm_storeu_si128(reinterpret_cast<__m128i*>(static_cast<uint16_t*>(out) + o),
+                             _mm256_cvtps_ph(t[j], _MM_FROUND_TO_NEAREST_INT));
+          else
+            _mm256_storeu_ps(static_cast<float*>(out) + o, t[j]);
+        }
+      }
+  }
+}
+#endif
+
+mx::array weight_blocks(const mx::array& w, int64_t rb, bool half, bool huge) {
+  if (!w.is_available() || !w.flags().row_contiguous || w.dtype() != mx::float32 || w.ndim() != 2)
+    throw std::invalid_argument("weight_blocks: expected an evaluated row-contiguous float32 [rows, cols] array");
+  const int64_t R = w.shape(0), C = w.shape(1);
+  if (rb <= 0 || R % rb != 0)
+    throw std::invalid_argument("weight_blocks: rb=" + std::to_string(rb) + " must divide the " +
+                                std::to_string(R) + " rows");
+  mx::array out = aligned_array({static_cast<int>(R / rb), static_cast<int>(C), static_cast<int>(rb)},
+                                half ? mx::float16 : mx::float32, huge);
+#if SPEL_AVX2
+  static const bool f16c = __builtin_cpu_supports("f16c");
+  if (use_avx2() && f16c && rb % 8 == 0 && C % 8 == 0) {
+    if (half)
+      transpose_blocks_avx2<true>(w.data<float>(), out.data<mx::float16_t>(), R, C, rb);
+    else
+      transpose_blocks_avx2<false>(w.data<float>(), out.data<float>(), R, C, rb);
+    out.set_status(mx::array::Status::available);
+    return out;
+  }
+#endif
+  if (half)
+    transpose_blocks(w.data<float>(), out.data<mx::float16_t>(), R, C, rb);
+  else
+    transpose_blocks(w.data<float>(), out.data<float>(), R, C, rb);
   out.set_status(mx::array::Status::available);
   return out;
 }

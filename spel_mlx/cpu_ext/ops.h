@@ -124,6 +124,10 @@ bool set_simd(bool enable);
 std::string set_simd_level(const std::string& level);
 // a copy of an evaluated row-contiguous array whose data starts on a cache line
 mx::array aligned_copy(const mx::array& a);
+// the [rows/rb, cols, rb] blocks the products read, made from an evaluated float32 weight
+// [rows, cols] in one pass (float16 where `half`), starting on a cache line; `huge`: its
+// 2 MB pages advised huge before the first write
+mx::array weight_blocks(const mx::array& w, int64_t rb, bool half, bool huge);
 
 // helper.cpp: allow (default) or forbid the helper thread that shares attention over a
 // long cache; returns the old setting.  The items it has run so far (tests).

@@ -13,7 +13,7 @@ import warnings
 
 import mlx.core as mx
 
-from ..platform import cpu_features
+from ..platform import cpu_features, huge_pages
 from ..platform.cpu_features import attention_helper, simd_cap
 from .ops import MLXOps
 
@@ -50,6 +50,10 @@ def mismatch() -> str | None:
 if mismatch():     # said once, at import: decoding still works, on the plain MLX ops (slower)
     warnings.warn(f"{mismatch()}: the fused CPU primitives are off, decoding runs on the plain MLX ops",
                   RuntimeWarning, stacklevel=2)
+
+
+def _weight_blocks(W, rb: int, half: bool):
+    return _spel_cpu.weight_blocks(W, rb, half, huge_pages.state() == "on")
 
 
 def _pos(pos0):
@@ -148,8 +152,9 @@ class CPUFusedOps(MLXOps):
 
     # --- single primitives ---------------------------------------------------------------
     def prepare_linear(self, lin, M: int) -> None:
-        # blocks on cache lines; binary16 only for the tiles (the BLAS would widen them per call)
-        lin.warm(self.layout_rows(M), blocks=True, place=_spel_cpu.aligned_copy,
+        # blocks on cache lines, made in one pass; binary16 only for the tiles (the BLAS
+        # would widen them per call)
+        lin.warm(self.layout_rows(M), blocks=True, build=_weight_blocks,
                  half=self.half_weights and bool(_spel_cpu.fma_chain_linear()))
 
     def linear(self, x, lin):

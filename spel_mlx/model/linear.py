@@ -95,22 +95,29 @@ class Linear(nn.Module):
             cache["half"] = bool(mx.all(W.astype(mx.float16).astype(W.dtype) == W).item())
         return cache["half"]
 
-    def warm(self, M: int, blocks: bool = False, place=None, half: bool = False) -> None:
+    def warm(self, M: int, blocks: bool = False, build=None, half: bool = False) -> None:
         """Build the layout an M-row product uses; ``blocks``: instead, one 3-D
         [nb, in, rb] array (a single block for a plain W^T), what the fused CPU
-        primitives read, copied by ``place`` (an evaluated array -> its copy) if given;
-        ``half``: as float16 where the weights are exactly binary16 (``exactly_half``)."""
+        primitives read, made by ``build(weight, rb, half)`` where given (one pass from
+        the evaluated float32 weight), else by MLX ops; ``half``: as float16 where the
+        weights are exactly binary16 (``exactly_half``)."""
         rb = row_block(*self.weight.shape, M)
         cache = self._cache()
         if not blocks:
             self.weight_view(rb, warm=True)
             return
         if ("3d", rb) not in cache:
-            # from the strided view: a contiguous float32 layout kept beside the blocks
-            # would be a second copy of the weights that no product reads
-            view = self.weight_view(rb)
-            b3 = mx.contiguous(view if rb is not None else view.reshape(1, *view.shape))
-            if half and self.exactly_half():
-                b3 = b3.astype(mx.float16)
-            mx.eval(b3)
-            cache[("3d", rb)] = b3 if place is None else place(b3)
+            half = half and self.exactly_half()
+            if build is not None:
+                W = mx.contiguous(self.weight)
+                mx.eval(W)
+                b3 = build(W, W.shape[0] if rb is None else rb, half)
+            else:
+                # from the strided view: a contiguous float32 layout kept beside the blocks
+                # would be a second copy of the weights that no product reads
+                view = self.weight_view(rb)
+                b3 = mx.contiguous(view if rb is not None else view.reshape(1, *view.shape))
+                if half:
+                    b3 = b3.astype(mx.float16)
+                mx.eval(b3)
+            cache[("3d", rb)] = b3
