@@ -465,3 +465,30 @@ def test_draft_run_with_its_own_draft_map(tmp_path, target_run, data_dir):
     with pytest.raises(config.TrainError, match="starts from a target run"):
         loop.train(str(tmp_path / "again"), None, _tc(data_dir, mode="draft", init=run, draft_map="0:1:2"),
                    tokenizer=ByteTokenizer(), quiet=True)
+
+
+def test_target_run_continues_from_an_exported_model(tmp_path, target_run, data_dir):
+    """`train target --init MODEL`: the exported target (float16) is the start point bit
+    for bit, its draft rides along frozen, the shape comes from MODEL (a different
+    --config is refused), and training moves the target only."""
+    from spel_mlx.reader import load_checkpoint
+    trun, _ = target_run
+    folder = export.export_run(trun, str(tmp_path / "model"), dtype="float16", data_dir=data_dir,
+                               spelw_path=str(tmp_path / "m.spelw"))
+    shipped = load_checkpoint(folder).weights
+    t0 = str(tmp_path / "t0")
+    loop.train(t0, None, _tc(data_dir, init=folder, steps=1, lr=0.0, warmup=0), tokenizer=ByteTokenizer(), quiet=True)
+    started = runs.load_checkpoint_dir(t0)[2]
+    assert set(started) == set(shipped)
+    assert all(np.array_equal(np.array(started[n]), shipped[n]) for n in shipped), "lr 0 moved a weight"
+    t1 = str(tmp_path / "t1")
+    s = loop.train(t1, TINY, _tc(data_dir, init=folder, steps=6, lr=1e-3, seed=1), tokenizer=ByteTokenizer(),
+                   quiet=True)
+    assert s["step"] == 6
+    tuned = runs.load_checkpoint_dir(t1)[2]
+    moved = [n for n in shipped if not np.array_equal(np.array(tuned[n]), shipped[n])]
+    assert moved and not any(n.startswith("draft.") for n in moved)
+    assert all(np.array_equal(np.array(tuned[n]), shipped[n]) for n in shipped if n.startswith("draft."))
+    other = TINY.__class__(**{**TINY.to_dict(), "d_ff": 64})
+    with pytest.raises(config.TrainError, match="keeps its shape"):
+        loop.train(str(tmp_path / "bad"), other, _tc(data_dir, init=folder), tokenizer=ByteTokenizer(), quiet=True)

@@ -1,6 +1,7 @@
 """MLX trainer for the target model and QAT distillation of the draft.
 
     python -m spel_mlx train target --run runs/target --config d_model=256,... --budget-min 45
+    python -m spel_mlx train target --run runs/more --init spel_mlx/assets/default --lr 5e-4 --seed 1
     python -m spel_mlx train draft  --run runs/draft --init runs/target --budget-min 15
     python -m spel_mlx train export --run runs/draft --out spel_mlx/assets/default --force
     python -m spel_mlx train onpolicy --init runs/target --out runs/onpolicy.npy --minutes 6
@@ -33,7 +34,8 @@ from .errors import guarded
 def _add_train_args(p, mode: str):
     d = TrainConfig(mode=mode)
     p.add_argument("--run", required=True, help="run directory (resumed if it has a checkpoint)")
-    shared.config(p, default=DEFAULT_SHAPE if mode == "target" else "", help="model shape, k=v,... (target mode)")
+    shared.config(p, default="", help=f"model shape, k=v,... (target mode; default {DEFAULT_SHAPE}, "
+                                     "or --init's when given)")
     for f in dataclasses.fields(TrainConfig):
         if f.name in ("mode",):
             continue
@@ -113,7 +115,8 @@ def _run(a) -> int:
     if a.cmd in ("target", "draft"):
         if a.cmd == "draft" and a.config:
             raise TrainError("draft mode takes its shape from --init; drop --config")
-        cfg = model_config(a.config) if a.config else None
+        shape = a.config or (DEFAULT_SHAPE if a.cmd == "target" and not a.init else "")
+        cfg = model_config(shape) if shape else None   # a continued target keeps --init's shape
         resuming = os.path.exists(os.path.join(a.run, "ckpt", "state.json"))
         s = train(a.run, cfg, _tc_from_args(a, a.cmd), extend_to=a.steps if resuming else None)
         print(json.dumps(s, default=float))

@@ -53,7 +53,7 @@ class TrainConfig:
     # inputs
     data: str = "data/corpus"
     tokenizer: str = ""           # default: spel_mlx/assets/tokenizer.model
-    init: str = ""                # draft mode: a target or draft run, or an exported model
+    init: str = ""                # a target or draft run, or an exported model: where a draft (or a continued target) starts
     draft_map: str = ""           # draft mode from a target run: its layers ("0:3:6"; "": the run's)
     onpolicy: str = ""            # draft mode: .npy of target-generated windows [n, seq+1]
     onpolicy_frac: float = 0.5    # share of each draft batch drawn from them

@@ -43,11 +43,17 @@ def _resume(run: str, extend_to: int | None):
 
 
 def _initial_params(cfg: ModelConfig | None, tc: TrainConfig):
-    """(cfg, params) of a fresh run: random for a target, from --init for a draft."""
+    """(cfg, params) of a fresh run: a target random or, with --init, continued from a
+    trained model (its draft carried along, frozen); a draft from --init."""
     if tc.mode != "draft":
-        if cfg is None:
-            raise TrainError("target mode needs a model config")
-        return cfg, init_params(cfg, tc.seed)
+        if not tc.init:
+            if cfg is None:
+                raise TrainError("target mode needs a model config")
+            return cfg, init_params(cfg, tc.seed)
+        _, cfg_t, params_t = load_start(tc.init)
+        if cfg is not None and cfg != cfg_t:
+            raise TrainError(f"--config differs from {tc.init}'s config (a continued target keeps its shape)")
+        return cfg_t, dict(params_t)
     if not tc.init:
         raise TrainError("draft mode needs --init (a trained target or draft run, or an exported model)")
     kind, cfg_t, params_t = load_start(tc.init)
