@@ -245,3 +245,61 @@ def test_generation_ends_on_the_end_of_text_token(shipped, opts):
     again = [t for r in spel_mlx.stream_generate(model, _EotTokenizer(tok, unused), PROMPT, 40, rounds=True, **kw)
              for t in r.tokens]
     assert again == free
+
+
+def _c_drafts(loaded):
+    """The CDraft objects of the cached proposers (an "auto" proposer's behind its fallback)."""
+    out = []
+    for p in loaded.drafts.values():
+        p = getattr(p, "fallback", p)
+        if hasattr(p, "cdraft"):
+            out.append(p.cdraft)
+    return out
+
+
+def test_a_load_prepares_the_default_draft_and_the_text_is_the_same():
+    """load(prepare="spec") builds the default C draft on another thread while the
+    target's layouts are built; the first call uses that draft (the same object), and
+    the text equals a model loaded with nothing prepared, greedy and seeded sampling."""
+    from spel_mlx.native import clib
+    if not clib.available():
+        pytest.skip("the C draft is not built")
+    cold, tok = load(prepare="none")
+    warm, _ = load(prepare="spec")
+    try:
+        assert not cold.prepared and len(warm.prepared) == 1
+        built = next(iter(warm.prepared.values())).result()
+        for opts in ({"temperature": 0}, {"temperature": 0.7, "seed": 5}):
+            assert spel_mlx.generate(warm, tok, PROMPT, max_tokens=48, **opts) == \
+                spel_mlx.generate(cold, tok, PROMPT, max_tokens=48, **opts), opts
+        assert not warm.prepared and any(d is built for d in _c_drafts(warm))
+        assert not any(d is built for d in _c_drafts(cold))
+        ar, _ = load(prepare="ar")
+        assert not ar.prepared
+        ar.close()
+    finally:
+        cold.close()
+        warm.close()
+    with pytest.raises(LoadError, match="prepare='soon'"):
+        load(prepare="soon")
+
+
+def test_a_prepared_draft_that_failed_is_built_again_where_its_error_shows(monkeypatch):
+    """A background build that raised leaves no trace: the call builds its own draft."""
+    from concurrent.futures import Future
+    from spel_mlx.native import clib
+    if not clib.available():
+        pytest.skip("the C draft is not built")
+    model, tok = load(prepare="none")
+    try:
+        want = spel_mlx.generate(model, tok, PROMPT, max_tokens=24, temperature=0.7, seed=2)
+        model.close()                    # the call's draft closed: the next call builds one
+        failed = Future()
+        failed.set_exception(MemoryError("no room"))
+        from spel_mlx.api import warm
+        threads, ahead = warm.c_draft_plan(None, "auto")
+        model.prepared[(threads, warm.c_draft_ring(model.cfg.spec_k, ahead))] = failed
+        assert spel_mlx.generate(model, tok, PROMPT, max_tokens=24, temperature=0.7, seed=2) == want
+        assert not model.prepared and _c_drafts(model)
+    finally:
+        model.close()

@@ -10,16 +10,16 @@ from dataclasses import dataclass
 # re-exported (SamplingParams, GREEDY, Proposer, checked_prompt, DEFAULT_ACCEPT): the API reaches decoding only here
 from ..decoding import (GREEDY, MODES, PROPOSER_KINDS, DecodeError, DecodeOptions, GovernorConfig,  # noqa: F401
                         Proposer, SamplingParams, SpeculativeDecoder)
-from ..decoding.ahead import usable_cpus
 from ..decoding.c_proposer import DRAFT_CONTEXT, checked_draft_context
 from ..decoding import governor_store
-from ..decoding.factory import DraftOptions, default_draft_threads, make_proposer
+from ..decoding.factory import DraftOptions, make_proposer
 from ..decoding.mlx_proposer import MLXProposer
 from ..decoding.loop import MAX_K, checked_prompt  # noqa: F401
 from ..decoding.sampling import DEFAULT_ACCEPT, SamplingError  # noqa: F401
 from ..model.backends import device_scope
 from ..native import clib
 from .loading import LoadedModel
+from .warm import c_draft_plan, c_draft_ring, take_draft
 
 DRAFTS = PROPOSER_KINDS
 MAX_DRAFT_THREADS = 6
@@ -114,18 +114,18 @@ def _proposer(loaded, settings: DecodeSettings, k: int, params):
         kind = "target"
     if kind is None:
         kind = default_draft(settings.mode, params)
-    threads = settings.draft_threads or default_draft_threads()
-    if settings.draft_ahead == "auto":    # while it pays (decoding.ahead); 2+ CPUs, 1 draft thread
-        ahead = "auto" if usable_cpus() >= 2 and threads == 1 else False
-    else:
-        ahead = settings.draft_ahead == "on"
+    threads, ahead = c_draft_plan(settings.draft_threads, settings.draft_ahead)
     ahead = ahead if kind in ("c", "auto") else False
     key = (kind, k, threads, ahead, settings.strict, settings.draft_context)
     if key not in loaded.drafts:
+        fallback = "c" if clib.available() else "mlx"
+        uses_c = kind == "c" or (kind == "auto" and fallback == "c")
         loaded.drafts[key] = make_proposer(kind, loaded.model, loaded.weights, k=k,
                                            options=DraftOptions(threads=threads, strict=settings.strict,
-                                                                auto_fallback="c" if clib.available() else "mlx",
-                                                                ahead=ahead, draft_context=settings.draft_context))
+                                                                auto_fallback=fallback,
+                                                                ahead=ahead, draft_context=settings.draft_context),
+                                           cdraft=take_draft(loaded, threads, c_draft_ring(k, ahead)) if uses_c
+                                           else None)
     return _cached(loaded.drafts, key)
 
 

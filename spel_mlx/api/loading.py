@@ -10,6 +10,7 @@ from ..config import ModelConfig
 from ..loading import LoadError, NoCheckpoint, load_for_decoding
 from ..model.backends import DeviceError, placement_device
 from ..model.state import KV_DTYPES
+from .warm import PREPARE, warm_up
 
 __all__ = ["LoadError", "LoadedModel", "NoCheckpoint", "load"]
 
@@ -31,6 +32,7 @@ class LoadedModel:
     pipeline: object = None  # a target split across processes (spel_mlx.distributed.Pipeline)
     waiting: int = 0         # calls waiting for `lock` (a stream nobody reads gives way to them)
     turn: threading.Condition = field(default_factory=threading.Condition)   # guards `waiting`
+    prepared: dict = field(default_factory=dict)   # C drafts being built at load: (threads, ring) -> Future
 
     @property
     def cfg(self) -> ModelConfig:
@@ -63,11 +65,15 @@ class LoadedModel:
         with self.hold():
             while self.drafts:
                 self.drafts.popitem()[1].close()
+            while self.prepared:
+                built = self.prepared.popitem()[1]
+                if built.exception() is None:      # waits for a build still running
+                    built.result().close()
             if self.pipeline is not None:
                 self.pipeline.close()
 
 
-def load(path=None, *, tokenizer=None, config=None, placement=None, kv_cache="float32"):
+def load(path=None, *, tokenizer=None, config=None, placement=None, kv_cache="float32", prepare="spec"):
     """``(model, tokenizer)`` for a SPELW001 file or a safetensors folder.
 
     path None: $SPEL_WEIGHTS, else the shipped model.  tokenizer: a SentencePiece
@@ -78,10 +84,15 @@ def load(path=None, *, tokenizer=None, config=None, placement=None, kv_cache="fl
     none), "cpu", or None: the GPU where MLX has one, else the CPU.  kv_cache: the
     target's K/V cache dtype, "float32" (SPEC's exact model) or "float16" (half the
     bytes a long context reads per token; k and v rounded once as they are written,
-    docs/model.md).  Failures are LoadError, whose message names what is wrong, or
-    NoCheckpoint when no path was given and no trained checkpoint is installed."""
+    docs/model.md).  prepare: the one-time costs paid now rather than in the first call,
+    "spec" (the target's layouts for its step and verification, the default C draft built
+    meanwhile on another thread), "ar" (the step's layouts) or "none" (api/warm.py).
+    Failures are LoadError, whose message names what is wrong, or NoCheckpoint when no
+    path was given and no trained checkpoint is installed."""
     if kv_cache not in KV_DTYPES:
         raise LoadError(f"kv_cache={kv_cache!r}: expected one of {', '.join(KV_DTYPES)}")
+    if prepare not in PREPARE:
+        raise LoadError(f"prepare={prepare!r}: expected one of {', '.join(PREPARE)}")
     try:
         device = placement_device(placement)
     except DeviceError as e:
@@ -89,4 +100,6 @@ def load(path=None, *, tokenizer=None, config=None, placement=None, kv_cache="fl
     ck, _, tok, model = load_for_decoding(None if path is None else str(path), config, None, tokenizer,
                                           device=device)
     model.kv_cache = kv_cache
-    return LoadedModel(model, ck.weights, ck.source, device), tok
+    loaded = LoadedModel(model, ck.weights, ck.source, device)
+    warm_up(loaded, prepare)
+    return loaded, tok

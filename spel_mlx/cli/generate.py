@@ -22,6 +22,7 @@ import time
 
 from ..api import GenerationError, GovernorConfig, LoadError, NoCheckpoint, load, prepare
 from ..decoding.c_proposer import DRAFT_CONTEXT
+from ..decoding.factory import default_draft_threads
 from ..distributed.link import PipelineError
 from . import args as shared
 from .errors import UsageError
@@ -127,12 +128,16 @@ def check_args(args):
         raise UsageError(f"--alpha-threshold {args.alpha_threshold}: must be in [0, 1]")
 
 
-def load_model(args):
-    """(model, tokenizer) for the command line's flags."""
+def load_model(args, mode: str = "spec"):
+    """(model, tokenizer) for the command line's flags; the one-time costs of the run
+    they ask for paid at load (the default C draft built meanwhile only where it drafts)."""
     placement = None if args.placement == "auto" else args.placement  # auto: chosen after loading
+    default_c = args.draft in (None, "c", "auto") and args.draft_threads in (None, default_draft_threads()) \
+        and args.draft_ahead == "auto" and args.placement != "auto" and args.spec_k is None
+    ahead_of_time = "spec" if mode != "ar" and default_c else "ar"
     try:
         return load(args.model, tokenizer=args.tokenizer, config=args.config, placement=placement,
-                    kv_cache=args.kv_cache)
+                    kv_cache=args.kv_cache, prepare=ahead_of_time)
     except LoadError as e:
         raise UsageError(str(e)) from None
 
@@ -245,7 +250,7 @@ def run(argv=None, stdout=None, stderr=None) -> int:
                 return serve_rank(pipe, stderr)
             model, tok = pipe.loaded, pipe.tokenizer
         else:
-            model, tok = load_model(args)
+            model, tok = load_model(args, mode)
         request, placement, placed = make_request(args, mode, forced_alpha, model, tok, text, stderr)
     except (NoCheckpoint, PipelineError) as e:
         print(f"error: {e}", file=stderr)

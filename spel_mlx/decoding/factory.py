@@ -38,9 +38,11 @@ class DraftOptions:
     draft_context: int = DRAFT_CONTEXT
 
 
-def make_proposer(kind: str, model, weights=None, k: int = 4, options: DraftOptions = DraftOptions()) -> Proposer:
+def make_proposer(kind: str, model, weights=None, k: int = 4, options: DraftOptions = DraftOptions(),
+                  cdraft=None) -> Proposer:
     """Build a proposer by name (PROPOSER_KINDS).  `weights` (the weights dict) is needed
-    by the C draft; `options`: DraftOptions."""
+    by the C draft; `options`: DraftOptions; `cdraft`: a C draft built beforehand for
+    these options (its ring must be the one they need), used instead of a new one."""
     o = options
     ring = k + 1
     try:
@@ -57,12 +59,15 @@ def make_proposer(kind: str, model, weights=None, k: int = 4, options: DraftOpti
         from ..native.cdraft import CDraft     # CDraft(...) raises ImportError when it is not built
         if weights is None:
             raise DecodeError("the C draft needs the checkpoint's weights")
+        ring = 2 * k + 2 if o.ahead else ring
+        if cdraft is not None and (cdraft.ring != ring or cdraft.cfg != model.cfg):
+            raise DecodeError(f"the prepared C draft (ring {cdraft.ring}) does not fit these options (ring {ring})")
+        draft = cdraft if cdraft is not None else CDraft(model.cfg, weights, threads=o.threads, ring=ring)
         if o.ahead:
             policy = AheadPolicy(start_ahead=spare_core()) if o.ahead == "auto" else None
-            return CDraftAheadProposer(CDraft(model.cfg, weights, threads=o.threads, ring=2 * k + 2), policy,
-                                       o.draft_context)
-        return CDraftProposer(CDraft(model.cfg, weights, threads=o.threads, ring=ring), o.draft_context)
+            return CDraftAheadProposer(draft, policy, o.draft_context)
+        return CDraftProposer(draft, o.draft_context)
     if kind == "auto":
-        fallback = make_proposer(o.auto_fallback, model, weights, k, o)
+        fallback = make_proposer(o.auto_fallback, model, weights, k, o, cdraft)
         return AutoProposer(NgramProposer(model.cfg.vocab, *o.ngram_n, k=k), fallback)
     raise DecodeError(f"draft {kind!r}: expected one of {', '.join(PROPOSER_KINDS)}")

@@ -73,13 +73,13 @@ def rows(a, M: int) -> list:
     return [a[j:j + 1].reshape(shape) for j in range(M)] if M > 1 else [a.reshape(shape)]
 
 
-def make_pass(model, stack: str, M: int, win: int | None):
-    """The function of one M-row pass over ``stack`` with attention window ``win``
-    (None: the whole cache), and whether it is the backend's plan (``ops.pass_plan``),
-    which takes the GDN slots as (arrays, rows) and reads stacked rows in place."""
+def prepare_stack(model, stack: str, M: int) -> list:
+    """Build what an M-row pass over ``stack`` captures as constants: the gate
+    constants and the weight layouts (on huge pages).  Kept once built, so a load can
+    pay for them before the first call.  Returns the stack's layers."""
     ops = model.ops
     layers = model.stack_layers(stack)
-    for blk in layers:       # constants built now, captured by the trace
+    for blk in layers:
         if blk.kind == "gdn":
             blk.mixer.gates(M)
     # lm_head None: a pipeline stage before the last
@@ -87,6 +87,15 @@ def make_pass(model, stack: str, M: int, win: int | None):
     for lin in lins:
         ops.prepare_linear(lin, M)
     huge_pages.back([a for lin in lins for a in lin.layouts()])
+    return layers
+
+
+def make_pass(model, stack: str, M: int, win: int | None):
+    """The function of one M-row pass over ``stack`` with attention window ``win``
+    (None: the whole cache), and whether it is the backend's plan (``ops.pass_plan``),
+    which takes the GDN slots as (arrays, rows) and reads stacked rows in place."""
+    ops = model.ops
+    layers = prepare_stack(model, stack, M)       # constants built now, captured by the trace
     plan = ops.pass_plan(model, layers, M)
     if plan is not None:
         return plan, True

@@ -1,0 +1,75 @@
+"""One-time costs paid at load rather than inside the first call (docs/never_slower.md).
+
+``warm_up(loaded, "spec")`` (what ``load(prepare="spec")`` does) builds the default C draft on another thread (its C code
+runs without the GIL) while this thread builds the target's weight layouts for its step
+and its verification, so on two cores the two overlap; ``"ar"`` builds the step's
+layouts only.  The first call then takes the prepared draft (``take_draft``) instead of
+building one; the text is the same either way (a prepared draft is an ordinary one,
+built earlier).
+"""
+from __future__ import annotations
+
+import threading
+from concurrent.futures import Future
+
+from ..decoding.ahead import usable_cpus
+from ..decoding.factory import default_draft_threads
+from ..model.backends import device_scope
+from ..model.passes import prepare_stack
+from ..native import clib
+
+PREPARE = ("spec", "ar", "none")   # load(prepare=...)
+
+
+def c_draft_plan(threads: int | None, draft_ahead: str) -> tuple:
+    """(threads, ahead) of a C draft for these settings: ahead "auto" (while it pays,
+    decoding.ahead) with 2+ CPUs and one draft thread, unless forced on or off."""
+    threads = threads or default_draft_threads()
+    if draft_ahead == "auto":
+        return threads, ("auto" if usable_cpus() >= 2 and threads == 1 else False)
+    return threads, draft_ahead == "on"
+
+
+def c_draft_ring(k: int, ahead) -> int:
+    """Ring slots of a C draft: a drafting-ahead one holds two rounds."""
+    return 2 * k + 2 if ahead else k + 1
+
+
+def warm_up(loaded, mode: str = "spec") -> None:
+    """Pay the one-time costs of `mode`'s first call now (see the module)."""
+    if mode not in PREPARE:
+        raise ValueError(f"prepare={mode!r}: expected one of {', '.join(PREPARE)}")
+    if mode == "none" or loaded.pipeline is not None:
+        return
+    cfg = loaded.cfg
+    k = cfg.spec_k
+    if mode == "spec" and clib.available() and cfg.n_draft > 0 and loaded.weights:
+        threads, ahead = c_draft_plan(None, "auto")
+        ring = c_draft_ring(k, ahead)
+        built: Future = Future()
+
+        def build():
+            try:
+                from ..native.cdraft import CDraft
+                built.set_result(CDraft(cfg, loaded.weights, threads=threads, ring=ring))
+            except BaseException as e:  # noqa: BLE001 - handed to whoever takes it
+                built.set_exception(e)
+
+        loaded.prepared[(threads, ring)] = built
+        threading.Thread(target=build, name="spel-prepare-draft", daemon=True).start()
+    with device_scope(loaded.device):
+        for M in sorted({1, k + 1}) if mode == "spec" else (1,):
+            prepare_stack(loaded.model, "target", M)
+
+
+def take_draft(loaded, threads: int, ring: int):
+    """The C draft prepared for (threads, ring), waiting for it if it is still being
+    built; None when there is none or its build failed (the caller builds one itself,
+    where the error is raised)."""
+    built = loaded.prepared.pop((threads, ring), None)
+    if built is None:
+        return None
+    try:
+        return built.result()
+    except Exception:  # noqa: BLE001
+        return None
