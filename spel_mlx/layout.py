@@ -83,6 +83,12 @@ def draft_specs(cfg: ModelConfig) -> list:
     return out
 
 
+def draft_engine_names(cfg: ModelConfig) -> list:
+    """The tensors a draft engine outside the MLX model reads (the C draft): its layers
+    and the embedding, final norm and head it shares with the target."""
+    return ["tok_emb.weight", "final_norm.weight", "lm_head.weight"] + [t.name for t in draft_specs(cfg)]
+
+
 def tensor_specs(cfg: ModelConfig) -> list:
     """All tensors in SPELW001 file order."""
     return target_specs(cfg) + draft_specs(cfg)

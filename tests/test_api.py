@@ -268,6 +268,8 @@ def test_a_load_prepares_the_default_draft_and_the_text_is_the_same():
     warm, _ = load(prepare="spec")
     try:
         assert not cold.prepared and len(warm.prepared) == 1
+        from spel_mlx.layout import draft_engine_names      # numpy weights kept: the C draft's only
+        assert list(warm.weights) == draft_engine_names(warm.cfg) and "layers.0.mlp.w1.weight" not in warm.weights
         built = next(iter(warm.prepared.values())).result()
         for opts in ({"temperature": 0}, {"temperature": 0.7, "seed": 5}):
             assert spel_mlx.generate(warm, tok, PROMPT, max_tokens=48, **opts) == \

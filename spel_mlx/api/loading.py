@@ -7,6 +7,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 from ..config import ModelConfig
+from ..layout import draft_engine_names
 from ..loading import LoadError, NoCheckpoint, load_for_decoding
 from ..model.backends import DeviceError, placement_device
 from ..model.state import KV_DTYPES
@@ -18,7 +19,8 @@ __all__ = ["LoadError", "LoadedModel", "NoCheckpoint", "load"]
 @dataclass(eq=False)
 class LoadedModel:
     """What ``load`` returns as the model: the MLX target (with its FP32 draft layers),
-    the FP32 weights the C draft quantizes its layers from, and the proposers built so
+    the FP32 weights the C draft is built from (its layers, the embedding, final norm
+    and head; layout.draft_engine_names), and the proposers built so
     far (reused across calls; `close` releases them).  One generation runs at a time
     (`hold`, around `lock`): the C draft must never be entered from two threads.
     `device` is where the target runs, "cpu" | "gpu"; the C draft always runs on CPU cores."""
@@ -100,6 +102,7 @@ def load(path=None, *, tokenizer=None, config=None, placement=None, kv_cache="fl
     ck, _, tok, model = load_for_decoding(None if path is None else str(path), config, None, tokenizer,
                                           device=device)
     model.kv_cache = kv_cache
-    loaded = LoadedModel(model, ck.weights, ck.source, device)
+    # the numpy weights kept are the C draft's only: the target's live in the MLX model
+    loaded = LoadedModel(model, {n: ck.weights[n] for n in draft_engine_names(model.cfg)}, ck.source, device)
     warm_up(loaded, prepare)
     return loaded, tok

@@ -57,7 +57,9 @@ def warm_up(loaded, mode: str = "spec") -> None:
 
         loaded.prepared[(threads, ring)] = built
         threading.Thread(target=build, name="spel-prepare-draft", daemon=True).start()
-    with device_scope(loaded.device):
+    if loaded.device != "cpu":     # a GPU's layouts are views MLX builds in the pass
+        return
+    with device_scope("cpu"):
         for M in sorted({1, k + 1}) if mode == "spec" else (1,):
             prepare_stack(loaded.model, "target", M)
 
