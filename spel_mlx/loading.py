@@ -3,6 +3,7 @@ every failure a one-line error (the command-line tools print it)."""
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from contextlib import contextmanager
 
 
@@ -49,11 +50,38 @@ def reading_checkpoint(path: str):
         raise LoadError(f"checkpoint {path}: {e}") from None
 
 
+class HandOffWeights(Mapping):
+    """A checkpoint's weights as the MLX model copies them: a tensor not in `keep`
+    leaves `ck.weights` once read, so its numpy copy is freed as soon as MLX holds
+    the tensor (a mapped file's pages are dropped as with page_dropping_weights)."""
+
+    def __init__(self, ck, keep):
+        self._src, self._dict, self._keep = ck.page_dropping_weights(), ck.weights, set(keep)
+
+    def __getitem__(self, name):
+        a = self._src[name]
+        if name not in self._keep:
+            self._dict.pop(name, None)
+        return a
+
+    def __contains__(self, name):
+        return name in self._dict
+
+    def __iter__(self):
+        return iter(list(self._src))
+
+    def __len__(self):
+        return len(self._src)
+
+
 def load_for_decoding(checkpoint=None, config=None, spec_k=None, tokenizer=None, device=None):
     """(checkpoint, config, tokenizer, model).  `checkpoint` None: SPEL_WEIGHTS, else
     the installed default; `config`: overrides "k=v,..." that must agree with it;
     `device`: where the target will run, "cpu" | "gpu" (None: the current default
-    device), which decides its ops (spel_mlx.model.backends)."""
+    device), which decides its ops (spel_mlx.model.backends).  The checkpoint's
+    ``weights`` keep only what the C draft reads (layout.draft_engine_names): the
+    rest lives in the model."""
+    from .layout import draft_engine_names
     from .reader import load_checkpoint
 
     path = checkpoint_path(checkpoint)
@@ -62,7 +90,7 @@ def load_for_decoding(checkpoint=None, config=None, spec_k=None, tokenizer=None,
     cfg = decoding_config(ck.cfg, config, spec_k)
     tok = decoding_tokenizer(tokenizer, ck.source, cfg)
     from .model import SpelModel
-    model = SpelModel.from_weights(cfg, ck.weights)
+    model = SpelModel.from_weights(cfg, HandOffWeights(ck, draft_engine_names(cfg)))
     select_ops(model, device)
     return ck, cfg, tok, model
 

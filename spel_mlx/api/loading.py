@@ -7,7 +7,6 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 from ..config import ModelConfig
-from ..layout import draft_engine_names
 from ..loading import LoadError, NoCheckpoint, load_for_decoding
 from ..model.backends import DeviceError, placement_device
 from ..model.state import KV_DTYPES
@@ -102,7 +101,6 @@ def load(path=None, *, tokenizer=None, config=None, placement=None, kv_cache="fl
     ck, _, tok, model = load_for_decoding(None if path is None else str(path), config, None, tokenizer,
                                           device=device)
     model.kv_cache = kv_cache
-    # the numpy weights kept are the C draft's only: the target's live in the MLX model
-    loaded = LoadedModel(model, {n: ck.weights[n] for n in draft_engine_names(model.cfg)}, ck.source, device)
+    loaded = LoadedModel(model, ck.weights, ck.source, device)   # the C draft's numpy weights only
     warm_up(loaded, prepare)
     return loaded, tok

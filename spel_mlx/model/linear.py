@@ -86,6 +86,15 @@ class Linear(nn.Module):
         """The warm layouts built so far (what the CPU products read)."""
         return [v for v in self._cache().values() if isinstance(v, mx.array)]
 
+    def _weight_from_blocks(self, b3, rb, cache: dict) -> None:
+        """Let the weight be the blocks read back (a lazy expression, exact: float16
+        blocks hold only exactly-binary16 weights), so its float32 copy is freed; a
+        path that reads the weight itself evaluates it again.  The layouts stay."""
+        R, C = self.weight.shape
+        W = (b3.transpose(0, 2, 1).reshape(R, C) if rb is not None else b3[0].T).astype(mx.float32)
+        self.weight = W
+        object.__setattr__(self, "_views", (W, cache))
+
     def exactly_half(self) -> bool:
         """Whether every weight is exactly a binary16 value (a float16 checkpoint's
         are): float16 blocks then hold the same numbers in half the bytes."""
@@ -112,6 +121,10 @@ class Linear(nn.Module):
                 W = mx.contiguous(self.weight)
                 mx.eval(W)
                 b3 = build(W, W.shape[0] if rb is None else rb, half)
+                del W
+                cache[("3d", rb)] = b3
+                self._weight_from_blocks(b3, rb, cache)
+                return
             else:
                 # from the strided view: a contiguous float32 layout kept beside the blocks
                 # would be a second copy of the weights that no product reads
