@@ -83,3 +83,33 @@ def test_decoding_maps_weights_and_caches_with_huge_pages():
         runs[value] = json.loads(out.stdout.strip().splitlines()[-1])
     assert runs["0"]["text"] == runs["1"]["text"] and len(runs["1"]["text"]) > 20
     assert runs["1"]["huge_kb"] - runs["0"]["huge_kb"] >= 16 << 10
+
+
+def test_back_soon_maps_on_another_thread_and_back_leaves_those_arrays_to_it(monkeypatch):
+    """back_soon returns at once; back() leaves an array handed to it alone (0 bytes)
+    until its thread is done; then the array is on huge pages with its address and bits."""
+    import threading
+    monkeypatch.delenv("SPEL_HUGE_PAGES", raising=False)
+    if huge_pages.state() != "on":
+        pytest.skip(huge_pages.state())
+    go, original = threading.Event(), huge_pages._back_extents
+
+    def held(extents):            # the thread waits until the test has called back()
+        if threading.current_thread().name == "spel-huge-pages":
+            go.wait(30)
+        return original(extents)
+
+    monkeypatch.setattr(huge_pages, "_back_extents", held)
+    values = np.random.default_rng(1).standard_normal(3 << 20).astype(np.float32)   # 12 MB
+    a = mx.array(values)
+    mx.eval(a)
+    address = np.frombuffer(memoryview(a), dtype=np.uint8).ctypes.data
+    huge_pages.back_soon([a])
+    assert huge_pages.back([a]) == 0 and huge_pages._soon
+    go.set()
+    huge_pages.wait_soon()
+    assert not huge_pages._soon
+    assert huge_kb_at(address + (6 << 20)) >= 8 << 10
+    assert np.frombuffer(memoryview(a), dtype=np.uint8).ctypes.data == address
+    assert np.array_equal(np.array(a), values)
+    assert huge_pages.back([a]) >= 8 << 20          # its own again: already huge, counted

@@ -2,8 +2,9 @@
 
 ``warm_up(loaded, "spec")`` (what ``load(prepare="spec")`` does) builds the default C draft on another thread (its C code
 runs without the GIL) while this thread builds the target's weight layouts for its step
-and its verification, so on two cores the two overlap; ``"ar"`` builds the step's
-layouts only.  The first call then takes the prepared draft (``take_draft``) instead of
+and its verification (mapped onto huge pages on a third thread: the first call does
+not wait for that), so on two cores the two overlap; ``"ar"`` builds the step's layouts
+only.  The first call then takes the prepared draft (``take_draft``) instead of
 building one; the text is the same either way (a prepared draft is an ordinary one,
 built earlier).
 """
@@ -61,7 +62,7 @@ def warm_up(loaded, mode: str = "spec") -> None:
         return
     with device_scope("cpu"):
         for M in sorted({1, k + 1}) if mode == "spec" else (1,):
-            prepare_stack(loaded.model, "target", M)
+            prepare_stack(loaded.model, "target", M, pages_soon=True)
 
 
 def take_draft(loaded, threads: int, ring: int):

@@ -73,10 +73,11 @@ def rows(a, M: int) -> list:
     return [a[j:j + 1].reshape(shape) for j in range(M)] if M > 1 else [a.reshape(shape)]
 
 
-def prepare_stack(model, stack: str, M: int) -> list:
+def prepare_stack(model, stack: str, M: int, pages_soon: bool = False) -> list:
     """Build what an M-row pass over ``stack`` captures as constants: the gate
-    constants and the weight layouts (on huge pages).  Kept once built, so a load can
-    pay for them before the first call.  Returns the stack's layers."""
+    constants and the weight layouts (on huge pages; ``pages_soon``: mapped that way
+    on a background thread).  Kept once built, so a load can pay for them before the
+    first call.  Returns the stack's layers."""
     ops = model.ops
     layers = model.stack_layers(stack)
     for blk in layers:
@@ -86,7 +87,7 @@ def prepare_stack(model, stack: str, M: int) -> list:
     lins = [lin for blk in layers for lin in blk.linears()] + [model.lm_head] * (model.lm_head is not None)
     for lin in lins:
         ops.prepare_linear(lin, M)
-    huge_pages.back([a for lin in lins for a in lin.layouts()])
+    (huge_pages.back_soon if pages_soon else huge_pages.back)([a for lin in lins for a in lin.layouts()])
     return layers
 
 

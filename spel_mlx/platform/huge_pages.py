@@ -101,10 +101,55 @@ def _extent(a):
 def back(arrays) -> int:
     """Map the memory under `arrays` (evaluated CPU arrays) with 2 MB pages where the
     kernel can: per mapping, the whole 2 MB pages between the first and the last of
-    them.  Returns the bytes now mapped that way (0 where `state()` is off)."""
+    them.  Returns the bytes now mapped that way (0 where `state()` is off).  Arrays
+    handed to `back_soon` are left to it."""
     if state() != "on" or mx.default_device() != mx.cpu:
         return 0
-    extents = [e for e in (_extent(a) for a in arrays if a.nbytes) if e is not None]
+    extents = [e for e in (_extent(a) for a in arrays if a.nbytes) if e is not None and e not in _soon]
+    return _back_extents(extents)
+
+
+_soon = set()       # extents the background thread has yet to back (back() leaves them)
+_work = None        # its queue.Queue: lists of arrays, kept alive until backed
+
+
+def back_soon(arrays) -> None:
+    """`back` on a background thread, so the caller goes on at once (on 4 KB pages
+    until it is done; the addresses and bits never change).  For what a load
+    prepares: collapsing a large model's layouts costs seconds on this kind of VM."""
+    global _work
+    if state() != "on" or mx.default_device() != mx.cpu:
+        return
+    todo = [(a, e) for a, e in ((a, _extent(a)) for a in arrays if a.nbytes) if e is not None and e not in _soon]
+    if not todo:
+        return
+    _soon.update(e for _, e in todo)
+    if _work is None:
+        import queue
+        import threading
+        _work = queue.Queue()
+        threading.Thread(target=_backer, args=(_work,), name="spel-huge-pages", daemon=True).start()
+    _work.put(todo)
+
+
+def _backer(work) -> None:
+    while True:
+        todo = work.get()
+        try:
+            _back_extents([e for _, e in todo])
+        finally:
+            _soon.difference_update(e for _, e in todo)    # done: a later back() finds them huge
+            del todo
+            work.task_done()
+
+
+def wait_soon() -> None:
+    """Wait until everything handed to `back_soon` is backed (tests, benchmarks)."""
+    if _work is not None:
+        _work.join()
+
+
+def _back_extents(extents) -> int:
     if not extents:
         return 0
     madvise, done = _libc_madvise(), 0
