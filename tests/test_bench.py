@@ -391,3 +391,23 @@ def test_wall_pairs_default_and_ar_processes(tmp_path):
     env = {**os.environ, "SPEL_GOVERNOR_STORE": "0"}
     r = wall.measure(str(pf), ["--max-tokens", "6", "--temperature", "0", "--checkpoint", str(ck)], 2, env)
     assert r["same_output"] and len(r["ratios"]) == 2 and r["default_wall_s"] > 0 and r["ar_wall_s"] > 0
+
+
+def test_ttft_times_fresh_processes_against_the_page_in(tmp_path):
+    """bench/ttft.py: one run per mode in fresh processes (a random-weight model), each
+    phase timed and positive, the page-in reading exactly the file's bytes."""
+    from bench import ttft
+    from spel_mlx.checkpoints import write_spelw
+    from spel_mlx.config import ModelConfig
+    from spel_mlx.model import init_weights
+    cfg = ModelConfig(d_model=64, n_layers=4, n_heads=2, head_dim=32, d_ff=96, vocab=128, max_seq=256,
+                      draft_map=(0, 3)).validate()
+    ck = tmp_path / "m.spelw"
+    write_spelw(str(ck), cfg, init_weights(cfg, seed=2))
+    out = tmp_path / "t.json"
+    assert ttft.main(["--model", str(ck), "--runs", "1", "--json", str(out)]) == 0
+    got = json.loads(out.read_text())
+    assert got["summary"]["bytes"] == ck.stat().st_size and got["summary"]["read_s"] > 0
+    for mode in ("default", "ar"):
+        s = got["summary"]["modes"][mode]
+        assert all(s[k] > 0 for k in ("import", "load", "first", "wall")) and s["wall"] > s["load"] + s["first"]
