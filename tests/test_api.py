@@ -268,6 +268,8 @@ def test_a_load_prepares_the_default_draft_and_the_text_is_the_same():
     warm, _ = load(prepare="spec")
     try:
         assert not cold.prepared and len(warm.prepared) == 1
+        built = 0 if warm.model.ops.windowed else len({1, warm.cfg.spec_k + 1})   # the step's and verification's passes
+        assert cold.model.passes_built == 0 and warm.model.passes_built == built
         from spel_mlx.layout import draft_engine_names      # numpy weights kept: the C draft's only
         assert list(warm.weights) == draft_engine_names(warm.cfg) and "layers.0.mlp.w1.weight" not in warm.weights
         built = next(iter(warm.prepared.values())).result()

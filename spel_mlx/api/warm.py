@@ -16,7 +16,8 @@ from concurrent.futures import Future
 from ..decoding.ahead import usable_cpus
 from ..decoding.factory import default_draft_threads
 from ..model.backends import device_scope
-from ..model.passes import prepare_stack
+from ..model.passes import get_pass, prepare_stack
+from ..model.state import KV_DTYPES
 from ..native import clib
 
 PREPARE = ("spec", "ar", "none")   # load(prepare=...)
@@ -60,9 +61,13 @@ def warm_up(loaded, mode: str = "spec") -> None:
         threading.Thread(target=build, name="spel-prepare-draft", daemon=True).start()
     if loaded.device != "cpu":     # a GPU's layouts are views MLX builds in the pass
         return
+    model = loaded.model
     with device_scope("cpu"):
         for M in sorted({1, k + 1}) if mode == "spec" else (1,):
-            prepare_stack(loaded.model, "target", M, pages_soon=True)
+            if model.ops.windowed:       # a pass per attention window: the layouts only
+                prepare_stack(model, "target", M, pages_soon=True)
+            else:                        # one pass for every position: the pass itself
+                get_pass(model, "target", M, M, KV_DTYPES[model.kv_cache], pages_soon=True)
 
 
 def take_draft(loaded, threads: int, ring: int):

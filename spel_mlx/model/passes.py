@@ -114,6 +114,20 @@ def make_pass(model, stack: str, M: int, win: int | None):
     return (mx.compile(one_pass) if model.compile else one_pass), False
 
 
+def get_pass(model, stack: str, M: int, end: int, kv_dtype, pages_soon: bool = False):
+    """The M-row pass over ``stack`` whose rows end at position ``end`` (it decides the
+    attention window), made once per key; ``pages_soon``: see prepare_stack."""
+    win = window(end, model.cfg.max_seq) if model.ops.windowed else None
+    # device: row blocks are CPU-only
+    key = (stack, M, win, str(mx.default_device()), kv_dtype)
+    made = model._compiled.get(key)
+    if made is None:
+        prepare_stack(model, stack, M, pages_soon)
+        made = model._compiled[key] = make_pass(model, stack, M, win)
+        model.passes_built += 1
+    return made
+
+
 def run_pass(model, toks, state, dispatch: bool = True, capture: bool = False):
     """One pass of M rows after the state's last written position; writes the new
     KV rows and GDN slots into the state.  ``toks``: M token ids (a list, or an int32
@@ -126,14 +140,7 @@ def run_pass(model, toks, state, dispatch: bool = True, capture: bool = False):
     inputs = toks if isinstance(toks, mx.array) else mx.array(toks, dtype=mx.int32)
     M = inputs.shape[0]
     base = state.pos + state.pending
-    win = window(base + M, model.cfg.max_seq) if model.ops.windowed else None
-    # device: row blocks are CPU-only
-    key = (state.stack, M, win, str(mx.default_device()), state.kv_dtype)
-    made = model._compiled.get(key)
-    if made is None:
-        made = model._compiled[key] = make_pass(model, state.stack, M, win)
-        model.passes_built += 1
-    fn, plan = made
+    fn, plan = get_pass(model, state.stack, M, base + M, state.kv_dtype)
     gdn_in, gdn_rows, kv_in = [], [], []
     for li in state.gdn_layers:
         if plan:
