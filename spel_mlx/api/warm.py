@@ -1,12 +1,12 @@
 """One-time costs paid at load rather than inside the first call (docs/never_slower.md).
 
-``warm_up(loaded, "spec")`` (what ``load(prepare="spec")`` does) builds the default C draft on another thread (its C code
-runs without the GIL) while this thread builds the target's weight layouts for its step
-and its verification (mapped onto huge pages on a third thread: the first call does
-not wait for that), so on two cores the two overlap; ``"ar"`` builds the step's layouts
-only.  The first call then takes the prepared draft (``take_draft``) instead of
-building one; the text is the same either way (a prepared draft is an ordinary one,
-built earlier).
+``warm_up(loaded, "spec")``, what ``load(prepare="spec")`` does, builds the default C
+draft on another thread (its C code runs without the GIL) while this thread builds the
+target's passes (or their weight layouts) for its step and its verification; their
+mapping onto huge pages runs on a third thread, which the first call does not wait for.
+``"ar"`` builds the step's only.  The first call takes the prepared draft (``take_draft``)
+instead of building one; the text is the same either way (a prepared draft is an
+ordinary one, built earlier).
 """
 from __future__ import annotations
 
