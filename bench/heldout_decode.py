@@ -123,7 +123,12 @@ def main(argv=None) -> int:
                                                                                     ahead=ahead))
             params = replace(params, temperature=a.temperature)
             decoders[label] = (sp.SpeculativeDecoder(model, draft, mode, k=a.k, params=params), "ar, sampled", True)
-    llama = peers.build_llama(cfg) if a.rows != "sampled" else None
+    llama = None
+    if a.rows != "sampled":
+        try:
+            llama = peers.build_llama(cfg)
+        except ImportError:     # the peers extra (mlx-lm) is optional: its row is left out
+            print("mlx-lm is not installed: no mlx-lm row (pip install -e '.[peers]')", file=sys.stderr)
     rows = []
     for ti, prompt in enumerate(prompts):
         runs = {label: [] for label in decoders}
