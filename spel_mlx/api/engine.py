@@ -12,14 +12,14 @@ from ..decoding import (GREEDY, MODES, PROPOSER_KINDS, DecodeError, DecodeOption
                         Proposer, SamplingParams, SpeculativeDecoder)
 from ..decoding.c_proposer import DRAFT_CONTEXT, checked_draft_context
 from ..decoding import governor_store
-from ..decoding.factory import DraftOptions, make_proposer
+from ..decoding.factory import DraftOptions, c_draft_ring, make_proposer
 from ..decoding.mlx_proposer import MLXProposer
 from ..decoding.loop import MAX_K, checked_prompt  # noqa: F401
 from ..decoding.sampling import DEFAULT_ACCEPT, SamplingError  # noqa: F401
 from ..model.backends import device_scope
 from ..native import clib
 from .loading import LoadedModel
-from .warm import c_draft_plan, c_draft_ring, take_draft
+from .warm import c_draft_plan, take_draft
 
 DRAFTS = PROPOSER_KINDS
 MAX_DRAFT_THREADS = 6

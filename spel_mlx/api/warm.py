@@ -14,7 +14,7 @@ import threading
 from concurrent.futures import Future
 
 from ..decoding.ahead import usable_cpus
-from ..decoding.factory import default_draft_threads
+from ..decoding.factory import c_draft_ring, default_draft_threads
 from ..model.backends import device_scope
 from ..model.passes import get_pass, prepare_stack
 from ..model.state import KV_DTYPES
@@ -32,15 +32,9 @@ def c_draft_plan(threads: int | None, draft_ahead: str) -> tuple:
     return threads, draft_ahead == "on"
 
 
-def c_draft_ring(k: int, ahead) -> int:
-    """Ring slots of a C draft: a drafting-ahead one holds two rounds."""
-    return 2 * k + 2 if ahead else k + 1
-
-
 def warm_up(loaded, mode: str = "spec") -> None:
-    """Pay the one-time costs of `mode`'s first call now (see the module)."""
-    if mode not in PREPARE:
-        raise ValueError(f"prepare={mode!r}: expected one of {', '.join(PREPARE)}")
+    """Pay the one-time costs of the first call in `mode` now (one of PREPARE, which
+    ``load`` checks; see the module)."""
     if mode == "none" or loaded.pipeline is not None:
         return
     cfg = loaded.cfg

@@ -38,6 +38,11 @@ class DraftOptions:
     draft_context: int = DRAFT_CONTEXT
 
 
+def c_draft_ring(k: int, ahead) -> int:
+    """Ring slots of a C draft proposing k tokens a round: a drafting-ahead one holds two rounds."""
+    return 2 * k + 2 if ahead else k + 1
+
+
 def make_proposer(kind: str, model, weights=None, k: int = 4, options: DraftOptions = DraftOptions(),
                   cdraft=None) -> Proposer:
     """Build a proposer by name (PROPOSER_KINDS).  `weights` (the weights dict) is needed
@@ -59,7 +64,7 @@ def make_proposer(kind: str, model, weights=None, k: int = 4, options: DraftOpti
         from ..native.cdraft import CDraft     # CDraft(...) raises ImportError when it is not built
         if weights is None:
             raise DecodeError("the C draft needs the checkpoint's weights")
-        ring = 2 * k + 2 if o.ahead else ring
+        ring = c_draft_ring(k, o.ahead)
         if cdraft is not None and (cdraft.ring != ring or cdraft.cfg != model.cfg):
             raise DecodeError(f"the prepared C draft (ring {cdraft.ring}) does not fit these options (ring {ring})")
         draft = cdraft if cdraft is not None else CDraft(model.cfg, weights, threads=o.threads, ring=ring)

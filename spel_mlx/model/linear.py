@@ -121,10 +121,6 @@ class Linear(nn.Module):
                 W = mx.contiguous(self.weight)
                 mx.eval(W)
                 b3 = build(W, W.shape[0] if rb is None else rb, half)
-                del W
-                cache[("3d", rb)] = b3
-                self._weight_from_blocks(b3, rb, cache)
-                return
             else:
                 # from the strided view: a contiguous float32 layout kept beside the blocks
                 # would be a second copy of the weights that no product reads
@@ -134,3 +130,5 @@ class Linear(nn.Module):
                     b3 = b3.astype(mx.float16)
                 mx.eval(b3)
             cache[("3d", rb)] = b3
+            if build is not None:
+                self._weight_from_blocks(b3, rb, cache)

@@ -91,12 +91,13 @@ def prepare_stack(model, stack: str, M: int, pages_soon: bool = False) -> list:
     return layers
 
 
-def make_pass(model, stack: str, M: int, win: int | None):
+def make_pass(model, stack: str, M: int, win: int | None, pages_soon: bool = False):
     """The function of one M-row pass over ``stack`` with attention window ``win``
     (None: the whole cache), and whether it is the backend's plan (``ops.pass_plan``),
-    which takes the GDN slots as (arrays, rows) and reads stacked rows in place."""
+    which takes the GDN slots as (arrays, rows) and reads stacked rows in place;
+    ``pages_soon``: see prepare_stack."""
     ops = model.ops
-    layers = prepare_stack(model, stack, M)       # constants built now, captured by the trace
+    layers = prepare_stack(model, stack, M, pages_soon)   # constants built now, captured by the trace
     plan = ops.pass_plan(model, layers, M)
     if plan is not None:
         return plan, True
@@ -122,8 +123,7 @@ def get_pass(model, stack: str, M: int, end: int, kv_dtype, pages_soon: bool = F
     key = (stack, M, win, str(mx.default_device()), kv_dtype)
     made = model._compiled.get(key)
     if made is None:
-        prepare_stack(model, stack, M, pages_soon)
-        made = model._compiled[key] = make_pass(model, stack, M, win)
+        made = model._compiled[key] = make_pass(model, stack, M, win, pages_soon)
         model.passes_built += 1
     return made
 

@@ -103,10 +103,15 @@ def back(arrays) -> int:
     kernel can: per mapping, the whole 2 MB pages between the first and the last of
     them.  Returns the bytes now mapped that way (0 where `state()` is off).  Arrays
     handed to `back_soon` are left to it."""
+    return _back_extents([e for _, e in _not_handed(arrays)])
+
+
+def _not_handed(arrays) -> list:
+    """(array, extent) of the arrays with memory here not yet handed to `back_soon`;
+    none where `state()` is off."""
     if state() != "on" or mx.default_device() != mx.cpu:
-        return 0
-    extents = [e for e in (_extent(a) for a in arrays if a.nbytes) if e is not None and e not in _soon]
-    return _back_extents(extents)
+        return []
+    return [(a, e) for a, e in ((a, _extent(a)) for a in arrays if a.nbytes) if e is not None and e not in _soon]
 
 
 _soon = set()       # extents the background thread has yet to back (back() leaves them)
@@ -118,9 +123,7 @@ def back_soon(arrays) -> None:
     until it is done; the addresses and bits never change).  For what a load
     prepares: collapsing a large model's layouts costs seconds on this kind of VM."""
     global _work
-    if state() != "on" or mx.default_device() != mx.cpu:
-        return
-    todo = [(a, e) for a, e in ((a, _extent(a)) for a in arrays if a.nbytes) if e is not None and e not in _soon]
+    todo = _not_handed(arrays)
     if not todo:
         return
     _soon.update(e for _, e in todo)
