@@ -443,6 +443,65 @@ def test_documents_end_at_chapter_headings():
     assert C.mark_documents(kjv, C.KJV_HEADING).count(EOT_LINE) == 2
 
 
+def _write_zcom4(module_dir, testaments):
+    """A SWORD zCom4 module: per testament, one zlib block per book (its entries
+    concatenated) and 10-byte entry records; the first record of each list is repeated,
+    as SWORD links one comment to several verses."""
+    import struct
+    import zlib
+    module_dir.mkdir()
+    for name, books in testaments.items():
+        bzs, bzz, bzv = b"", b"", b""
+        for b, entries in enumerate(books):
+            raw = "".join(entries).encode()
+            packed = zlib.compress(raw)
+            bzs += struct.pack("<III", len(bzz), len(packed), len(raw))
+            bzz += packed
+            start = 0
+            for e in entries:
+                n = len(e.encode())
+                bzv += struct.pack("<IIH", b, start, n) * (2 if start == 0 else 1)
+                start += n
+        for ext, blob in ((".bzs", bzs), (".bzv", bzv), (".bzz", bzz)):
+            (module_dir / (name + ext)).write_bytes(blob)
+
+
+def test_mhcc_reader_cleans_and_leaves_out_held_out_chapters(tmp_path):
+    """read_mhcc reads a zCom4 module (linked entries once), clean_mhcc turns OSIS into
+    lines, and mhcc_text leaves out the chapters the KJV split holds out."""
+    from spel_mlx.tokenizer import EOT_LINE
+    C = corpus
+    gen = ['<div type="book"/>', '<chapter osisID="Gen.1"/> ',
+           '<title type="x-ms">Genesis</title><div sID="a" type="x-p"/> Genesis is &quot;the book&quot;.',
+           '<hi type="bold">Verses 1-2</hi> God  said, Let there be light.',
+           '<chapter osisID="Gen.2"/> ', '<hi type="bold">Verses 1-3</hi> The first sabbath.']
+    _write_zcom4(tmp_path / "mhcc", {"ot": [gen], "nt": [['<chapter osisID="Matt.1"/>', "Genealogy."]]})
+    chapters = C.read_mhcc(str(tmp_path / "mhcc"))
+    assert [c for c, _ in chapters] == ["Gen.1", "Gen.2", "Matt.1"]
+    assert C.clean_mhcc(chapters[0][1]) == ('Genesis is "the book".\nVerses 1-2\n'
+                                            "God said, Let there be light.")
+    assert C.mhcc_text(chapters, {(0, 2)}).split(EOT_LINE) == [
+        C.clean_mhcc(chapters[0][1]) + "\n", "Genealogy.\n", ""]
+    # the KJV chapters a held-out block touches: the one it starts in and each it heads
+    verse = "v" * 100 + "\n"
+    kjv = "".join(f"Genesis {c}\n" + verse * 50 for c in range(1, 80))
+    held = C.kjv_chapters_held_out(kjv)
+    blocks = C.split_blocks(kjv)
+    touched = set()
+    chapter = None
+    for i, b in enumerate(blocks):
+        starts = [int(line.split()[1]) for line in b.splitlines() if line.startswith("Genesis")]
+        if i % C.HELDOUT_EVERY == C.HELDOUT_PHASE:
+            touched |= {(0, c) for c in ([chapter] if chapter else []) + starts}
+        chapter = starts[-1] if starts else chapter
+    assert held == touched and len(held) >= 2
+    (tmp_path / "mhcc" / "ot.bzs").write_bytes(b"\0" * 11)
+    with pytest.raises(C.CorpusError, match="12- and 10-byte records"):
+        C.read_mhcc(str(tmp_path / "mhcc"))
+    with pytest.raises(C.CorpusError, match="sword-comm-mhcc"):
+        C.read_mhcc(str(tmp_path / "none"))
+
+
 def test_draft_run_with_its_own_draft_map(tmp_path, target_run, data_dir):
     """--draft-map: a draft of other target layers distilled from a target run (its layers
     start as copies of those), saved with the new map; a draft run cannot change it."""

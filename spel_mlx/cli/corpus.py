@@ -1,7 +1,7 @@
 """``python -m spel_mlx corpus``: build the training corpus (spel_mlx/training/corpus.py)."""
 from __future__ import annotations
 
-from ..training.corpus import SOURCES, CorpusError, __doc__ as CORPUS_DOC, prepare
+from ..training.corpus import KNOWN_SOURCES, SOURCES, CorpusError, __doc__ as CORPUS_DOC, prepare
 from . import args as shared
 from .errors import guarded
 
@@ -9,7 +9,8 @@ from .errors import guarded
 def build_parser() -> shared.Parser:
     ap = shared.parser("corpus", CORPUS_DOC.split("\n")[0])
     ap.add_argument("--out", default="data/corpus")
-    ap.add_argument("--sources", default=",".join(SOURCES))
+    ap.add_argument("--sources", default=",".join(SOURCES),
+                    help=f"comma-separated, of {', '.join(KNOWN_SOURCES)} (default %(default)s)")
     return ap
 
 

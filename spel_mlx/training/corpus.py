@@ -1,18 +1,22 @@
 """Training corpus: public-domain English prose from Debian packages.
 
-Sources (see docs/training.md for why these two):
+Sources (see docs/training.md for why these):
   austen  Jane Austen's six novels, from r-cran-janeaustenr's R lazy-load data
           (Rdata.rdb), read here without R: zlib blocks of R's XDR serialization.
   kjv     the King James Bible, from bible-kjv (+ bible-kjv-text): `bible gen1:1-rev22:21`.
+  mhcc    Matthew Henry's Concise Commentary, from sword-comm-mhcc (a SWORD zCom4
+          module, read here without libsword). Training text only: it adds no held-out
+          text, and the commentary on every chapter the KJV holds out is left out.
 
 ``prepare(out_dir)`` writes ``train.txt`` and ``heldout.txt`` (+ ``manifest.json``).
 The held-out split is contiguous ~8 KB blocks, every 50th block of each source
 (block index % 50 == 25), cut at line ends; training never sees them.
 
-    python -m spel_mlx corpus [--out data/corpus] [--sources austen,kjv]
+    python -m spel_mlx corpus [--out data/corpus] [--sources austen,kjv[,mhcc]]
 """
 from __future__ import annotations
 
+import html
 import os
 import re
 import shutil
@@ -34,6 +38,9 @@ KJV_HEADING = re.compile(r"^[1-3]?\s?[A-Z][A-Za-z ]+ \d+$")
 HELDOUT_EVERY = 50
 HELDOUT_PHASE = 25
 SOURCES = ("austen", "kjv")
+KNOWN_SOURCES = SOURCES + ("mhcc",)
+TRAIN_ONLY = ("mhcc",)
+MHCC_DIR = "/usr/share/sword/modules/comments/zcom/mhcc"
 
 
 class CorpusError(RuntimeError):
@@ -219,6 +226,99 @@ def split_heldout(text: str, every: int = HELDOUT_EVERY, phase: int = HELDOUT_PH
     return "".join(train), "".join(held)
 
 
+# --- SWORD zCom4 reader: Matthew Henry's Concise Commentary -------------------
+def _read_file(path: str, package: str) -> bytes:
+    try:
+        with open(path, "rb") as f:
+            return f.read()
+    except FileNotFoundError:
+        raise CorpusError(f"{path} not found: install the Debian package {package} "
+                          f"(apt-get install {package})") from None
+
+
+def read_mhcc(module_dir: str = MHCC_DIR) -> list:
+    """[(osis chapter id, [OSIS entries])] in canonical order.
+
+    zCom4 layout per testament: ``.bzs`` 12-byte block records (offset, compressed size,
+    size; u32 little-endian) into ``.bzz`` (zlib streams); ``.bzv`` 10-byte entry records
+    (block u32, offset u32, size u16) into the inflated blocks. A comment spanning several
+    verses is one entry that several records point at: it is read once."""
+    chapters, seen = [], set()
+    for testament in ("ot", "nt"):
+        base = os.path.join(module_dir, testament)
+        bzs = _read_file(base + ".bzs", "sword-comm-mhcc")
+        bzz = _read_file(base + ".bzz", "sword-comm-mhcc")
+        bzv = _read_file(base + ".bzv", "sword-comm-mhcc")
+        if len(bzs) % 12 or len(bzv) % 10:
+            raise CorpusError(f"{base}.bzs/.bzv: sizes {len(bzs)}, {len(bzv)} are not whole "
+                              "12- and 10-byte records")
+        blocks = []
+        for i in range(0, len(bzs), 12):
+            off, csize, size = struct.unpack_from("<III", bzs, i)
+            if off + csize > len(bzz):
+                raise CorpusError(f"{base}.bzs@{i}: block [{off}, {off + csize}) past the end "
+                                  f"of {base}.bzz ({len(bzz)} bytes)")
+            raw = zlib.decompress(bzz[off:off + csize]) if csize else b""
+            if len(raw) != size:
+                raise CorpusError(f"{base}.bzz@{off}: inflates to {len(raw)} bytes, index says {size}")
+            blocks.append(raw)
+        for i in range(0, len(bzv), 10):
+            b, start, n = struct.unpack_from("<IIH", bzv, i)
+            if not n or (testament, b, start) in seen:
+                continue
+            if b >= len(blocks) or start + n > len(blocks[b]):
+                raise CorpusError(f"{base}.bzv@{i}: entry (block {b}, {start}+{n}) outside the blocks")
+            seen.add((testament, b, start))
+            entry = blocks[b][start:start + n].decode("utf-8", errors="replace")
+            m = re.search(r'<chapter [^>]*osisID="([^"]+)"', entry)
+            if m:
+                chapters.append((m.group(1), []))
+            elif chapters:
+                chapters[-1][1].append(entry)
+    if not chapters:
+        raise CorpusError(f"{module_dir}: no chapters found (not a zCom4 module?)")
+    return chapters
+
+
+def clean_mhcc(entries: list) -> str:
+    """OSIS markup to text: a bold verse heading ("Verses 1-3") and each paragraph on a line."""
+    x = " ".join(entries)
+    x = re.sub(r'<hi type="bold">(.*?)</hi>', r"\n\1\n", x)
+    x = re.sub(r"<title[^>]*>.*?</title>", "", x)
+    x = re.sub(r'<div [^>]*type="x-p"[^>]*/>', "\n", x)
+    x = html.unescape(re.sub(r"<[^>]+>", "", x))
+    lines = (re.sub(r"\s+", " ", line).strip() for line in x.split("\n"))
+    return _to_ascii("\n".join(line for line in lines if line))
+
+
+def kjv_chapters_held_out(kjv_text: str) -> set:
+    """{(book ordinal, chapter)} of every KJV chapter a held-out block touches."""
+    held, books, current = set(), {}, None
+    for i, block in enumerate(split_blocks(kjv_text)):
+        is_held = i % HELDOUT_EVERY == HELDOUT_PHASE
+        if is_held and current:
+            held.add(current)
+        for line in block.splitlines():
+            if KJV_HEADING.match(line):
+                book, chapter = line.rsplit(" ", 1)
+                current = (books.setdefault(book, len(books)), int(chapter))
+                if is_held:
+                    held.add(current)
+    return held
+
+
+def mhcc_text(chapters: list, leave_out: set) -> str:
+    """Each chapter's commentary as a document, but those whose (book ordinal, chapter) is in leave_out."""
+    out, books = [], {}
+    for osis_id, entries in chapters:
+        book, chapter = osis_id.split(".")[:2]
+        key = (books.setdefault(book, len(books)), int(chapter))
+        text = clean_mhcc(entries)
+        if text and key not in leave_out:
+            out.append(text + "\n" + EOT_LINE)
+    return "".join(out)
+
+
 def load_source(name: str) -> str:
     """A source's clean text, its documents (chapters) marked (mark_documents)."""
     if name == "austen":
@@ -226,7 +326,9 @@ def load_source(name: str) -> str:
         return "".join(mark_documents(clean_austen(books[b]), AUSTEN_HEADING) for b in AUSTEN_BOOKS)
     if name == "kjv":
         return mark_documents(clean_kjv(read_kjv()), KJV_HEADING)
-    raise CorpusError(f"unknown corpus source {name!r} (known: {', '.join(SOURCES)})")
+    if name == "mhcc":
+        return mhcc_text(read_mhcc(), kjv_chapters_held_out(load_source("kjv")))
+    raise CorpusError(f"unknown corpus source {name!r} (known: {', '.join(KNOWN_SOURCES)})")
 
 
 def prepare(out_dir: str, sources=SOURCES) -> dict:
@@ -237,7 +339,7 @@ def prepare(out_dir: str, sources=SOURCES) -> dict:
                                                   "heldout_phase": HELDOUT_PHASE}
     for s in sources:
         text = load_source(s)
-        tr, he = split_heldout(text)
+        tr, he = (text, "") if s in TRAIN_ONLY else split_heldout(text)
         train_parts.append(tr)
         held_parts.append(he)
         manifest["sources"][s] = {"bytes": len(text), "train_bytes": len(tr), "heldout_bytes": len(he)}
