@@ -55,14 +55,15 @@ class HandOffWeights(Mapping):
     leaves `ck.weights` once read, so its numpy copy is freed as soon as MLX holds
     the tensor (a mapped file's pages are dropped as with page_dropping_weights)."""
 
-    def __init__(self, ck, keep):
+    def __init__(self, ck, keep, read=None):
         self._src, self._dict, self._keep = ck.page_dropping_weights(), ck.weights, set(keep)
+        self._read = read
 
     def __getitem__(self, name):
         a = self._src[name]
         if name not in self._keep:
             self._dict.pop(name, None)
-        return a
+        return self._read(a) if self._read is not None else a
 
     def __contains__(self, name):
         return name in self._dict
@@ -72,6 +73,36 @@ class HandOffWeights(Mapping):
 
     def __len__(self):
         return len(self._src)
+
+
+def mapped_reader(device=None):
+    """A function giving, for a float32 tensor that views a mapped checkpoint file, the
+    MLX array read from the file with pread onto 2 MB pages (no page faults on the
+    mapping and few on the copy; docs/never_slower.md); anything else as it is.
+    None off the CPU or without the fused CPU extension."""
+    import sys
+
+    import mlx.core as mx
+    import numpy as np
+
+    from .checkpoints.files import mapped_region
+    from .model.cpu_ops import _spel_cpu
+    from .platform import huge_pages
+    on_cpu = device == "cpu" if device is not None else mx.default_device() == mx.cpu
+    if _spel_cpu is None or sys.byteorder != "little" or not on_cpu:
+        return None
+    huge = huge_pages.state() == "on"
+
+    def read(a):
+        region = mapped_region(a) if getattr(a, "dtype", None) == np.float32 else None
+        if region is None:
+            return a
+        path, offset, dev, ino = region
+        try:
+            return _spel_cpu.read_f32(path, offset, list(a.shape), dev, ino, huge)
+        except RuntimeError:
+            return a   # the file changed under its mapping: the mapped bytes, as before
+    return read
 
 
 def load_for_decoding(checkpoint=None, config=None, spec_k=None, tokenizer=None, device=None):
@@ -90,7 +121,7 @@ def load_for_decoding(checkpoint=None, config=None, spec_k=None, tokenizer=None,
     cfg = decoding_config(ck.cfg, config, spec_k)
     tok = decoding_tokenizer(tokenizer, ck.source, cfg)
     from .model import SpelModel
-    model = SpelModel.from_weights(cfg, HandOffWeights(ck, draft_engine_names(cfg)))
+    model = SpelModel.from_weights(cfg, HandOffWeights(ck, draft_engine_names(cfg), mapped_reader(device)))
     select_ops(model, device)
     return ck, cfg, tok, model
 

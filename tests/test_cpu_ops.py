@@ -645,3 +645,43 @@ def test_read_seconds_reads_every_element():
     assert seconds > 0 and total == float(np.sum(np.arange(100_003) % 7))
     with pytest.raises(ValueError, match="float32"):
         E.read_seconds(mx.zeros((4,), mx.int32))
+
+
+def test_mapped_checkpoint_tensors_are_read_with_pread_bit_for_bit(tmp_path, monkeypatch):
+    """A SPELW file's float32 tensors reach the model through read_f32 (no page faults on
+    the mapping), every one bit for bit; a file replaced under its mapping, a closed map
+    or another dtype falls back to the mapped bytes, never to the new file's."""
+    import dataclasses
+
+    from spel_mlx.checkpoints import files
+    from spel_mlx.checkpoints.spelw import read_spelw, write_spelw
+    from spel_mlx.loading import load_for_decoding, mapped_reader
+    E = cpu_ops._spel_cpu
+    cfg = dataclasses.replace(CFG, vocab=128)           # the byte tokenizer's
+    path = tmp_path / "m.spelw"
+    weights = init_weights(cfg, seed=3)
+    write_spelw(path, cfg, weights)
+    calls, read_f32 = [], E.read_f32
+
+    def counted(*a, **k):
+        calls.append(a[1])
+        return read_f32(*a, **k)
+    monkeypatch.setattr(E, "read_f32", counted)
+    _, _, _, model = load_for_decoding(str(path), device="cpu")
+    monkeypatch.undo()
+    got = model.weights_dict()
+    assert all(np.array_equal(got[n], weights[n]) for n in weights)
+    assert len(calls) == len(weights) and len(set(calls)) == len(weights)   # one read per tensor
+
+    f = read_spelw(path)
+    name = next(iter(f.tensors))
+    view = f.tensors[name]
+    region = files.mapped_region(view)
+    assert region is not None and region[0] == str(path)
+    read = mapped_reader("cpu")
+    assert np.array_equal(np.array(read(view)), weights[name])
+    assert read(view.astype(np.float64)) is not None and files.mapped_region(view.copy()) is None
+    write_spelw(tmp_path / "new.spelw", cfg, init_weights(cfg, seed=4))
+    os.replace(tmp_path / "new.spelw", path)            # a new file (inode) at the path
+    assert read(view) is view and np.array_equal(view, weights[name])
+    assert mapped_reader("gpu") is None

@@ -9,6 +9,7 @@ import re
 import shutil
 import sys
 import tempfile
+import weakref
 from collections.abc import Mapping
 
 import numpy as np
@@ -25,11 +26,31 @@ def map_file(path):
     """Read-only mmap of a whole file (None for an empty file) and its size."""
     try:
         with open(path, "rb") as f:
-            size = os.fstat(f.fileno()).st_size
-            mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) if size else None
+            st = os.fstat(f.fileno())
+            mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) if st.st_size else None
     except OSError as e:
         raise CheckpointError(path, f"cannot read: {e.strerror or e}") from None
-    return mm, size
+    if mm is not None:
+        base = np.frombuffer(mm, dtype=np.uint8).ctypes.data
+        _mapped.append((weakref.ref(mm), base, st.st_size, os.path.abspath(path), st.st_dev, st.st_ino))
+    return mm, st.st_size
+
+
+_mapped = []   # (weakref to the mmap, its address, size, path, st_dev, st_ino) of map_file's files
+
+
+def mapped_region(a):
+    """(path, offset, st_dev, st_ino) of the file bytes under `a` when it is a C-contiguous
+    view into a live mapping made by map_file, else None: a consumer may then read the
+    bytes itself (pread) instead of faulting the mapping's pages in."""
+    if not isinstance(a, np.ndarray) or not a.flags.c_contiguous or a.nbytes == 0:
+        return None
+    addr = a.ctypes.data
+    _mapped[:] = [m for m in _mapped if m[0]() is not None and not m[0]().closed]   # a closed map's range may be reused
+    for _, base, size, path, dev, ino in _mapped:
+        if base <= addr and addr + a.nbytes <= base + size:
+            return path, addr - base, dev, ino
+    return None
 
 
 class PageDroppingWeights(Mapping):

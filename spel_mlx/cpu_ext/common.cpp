@@ -2,9 +2,14 @@
 // variant runs, and the per-kind timing of the bodies.
 #include "common.h"
 
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
 #ifdef __linux__
 #include <sys/mman.h>
 #endif
+
+#include <cerrno>
 
 #include <algorithm>
 #include <chrono>
@@ -105,6 +110,40 @@ mx::array aligned_copy(const mx::array& a) {
     throw std::invalid_argument("aligned_copy: expected an evaluated row-contiguous array");
   mx::array out = aligned_array(a.shape(), a.dtype(), false);
   std::memcpy(out.data<char>(), a.data<char>(), a.nbytes());
+  out.set_status(mx::array::Status::available);
+  return out;
+}
+
+mx::array read_f32(const std::string& path, int64_t offset, const std::vector<int64_t>& dims, int64_t dev,
+                   int64_t ino, bool huge) {
+  const std::string where = path + " at offset " + std::to_string(offset);
+  size_t nbytes = sizeof(float);
+  for (auto n : dims) {
+    if (n < 0 || n > INT32_MAX) throw std::invalid_argument("read_f32: dimension " + std::to_string(n) + " out of range");
+    nbytes *= static_cast<size_t>(n);
+  }
+  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0) throw std::runtime_error("read_f32: " + path + ": " + std::strerror(errno));
+  struct stat st {};
+  if (::fstat(fd, &st) != 0 || static_cast<int64_t>(st.st_dev) != dev || static_cast<int64_t>(st.st_ino) != ino ||
+      offset < 0 || static_cast<uint64_t>(offset) + nbytes > static_cast<uint64_t>(st.st_size)) {
+    ::close(fd);
+    throw std::runtime_error("read_f32: " + where + ": not the file that was mapped, or too short");
+  }
+  mx::array out = aligned_array(mx::Shape(dims.begin(), dims.end()), mx::float32, huge);
+  char* dst = out.data<char>();
+  size_t done = 0;
+  while (done < nbytes) {
+    const ssize_t n = ::pread(fd, dst + done, nbytes - done, offset + static_cast<off_t>(done));
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) {
+      const int err = n < 0 ? errno : 0;
+      ::close(fd);
+      throw std::runtime_error("read_f32: " + where + ": " + (err ? std::strerror(err) : "unexpected end of file"));
+    }
+    done += static_cast<size_t>(n);
+  }
+  ::close(fd);
   out.set_status(mx::array::Status::available);
   return out;
 }

@@ -65,7 +65,8 @@ class SpelModel(nn.Module):
             w = weights[name]
             if tuple(w.shape) != tuple(shape):
                 raise ValueError(f"tensor {name}: shape {tuple(w.shape)}, expected {tuple(shape)}")
-            items.append((name, mx.array(np.asarray(w, dtype=np.float32))))
+            items.append((name, w if isinstance(w, mx.array) and w.dtype == mx.float32
+                          else mx.array(np.asarray(w, dtype=np.float32))))
         self.load_weights(items, strict=True)
         mx.eval(self.parameters())
 
