@@ -53,7 +53,8 @@ def reading_checkpoint(path: str):
 class HandOffWeights(Mapping):
     """A checkpoint's weights as the MLX model copies them: a tensor not in `keep`
     leaves `ck.weights` once read, so its numpy copy is freed as soon as MLX holds
-    the tensor (a mapped file's pages are dropped as with page_dropping_weights)."""
+    the tensor (a mapped file's pages are dropped as with page_dropping_weights).
+    `read(name, tensor)`, where given, turns each tensor into what the model gets."""
 
     def __init__(self, ck, keep, read=None):
         self._src, self._dict, self._keep = ck.page_dropping_weights(), ck.weights, set(keep)
@@ -63,7 +64,7 @@ class HandOffWeights(Mapping):
         a = self._src[name]
         if name not in self._keep:
             self._dict.pop(name, None)
-        return self._read(a) if self._read is not None else a
+        return self._read(name, a) if self._read is not None else a
 
     def __contains__(self, name):
         return name in self._dict
@@ -75,34 +76,51 @@ class HandOffWeights(Mapping):
         return len(self._src)
 
 
-def mapped_reader(device=None):
-    """A function giving, for a float32 tensor that views a mapped checkpoint file, the
-    MLX array read from the file with pread onto 2 MB pages (no page faults on the
-    mapping and few on the copy; docs/never_slower.md); anything else as it is.
-    None off the CPU or without the fused CPU extension."""
-    import sys
+class CheckedReader:
+    """For HandOffWeights: a float32 tensor that views a mapped checkpoint file becomes
+    the MLX array read from the file with pread (no page faults on the mapping;
+    docs/never_slower.md), checked for NaN and infinity as
+    it arrives; any other tensor is checked with numpy and passed on.  `warn` then names
+    the non-finite ones, as load_checkpoint would have.  `for_device` gives None off the
+    CPU or without the fused CPU extension."""
 
-    import mlx.core as mx
-    import numpy as np
+    def __init__(self, ext):
+        self._ext, self.nonfinite = ext, []
 
-    from .checkpoints.files import mapped_region
-    from .model.cpu_ops import _spel_cpu
-    from .platform import huge_pages
-    on_cpu = device == "cpu" if device is not None else mx.default_device() == mx.cpu
-    if _spel_cpu is None or sys.byteorder != "little" or not on_cpu:
-        return None
-    huge = huge_pages.state() == "on"
+    @classmethod
+    def for_device(cls, device=None):
+        import sys
 
-    def read(a):
+        import mlx.core as mx
+
+        from .model.cpu_ops import _spel_cpu
+        on_cpu = device == "cpu" if device is not None else mx.default_device() == mx.cpu
+        if _spel_cpu is None or sys.byteorder != "little" or not on_cpu:
+            return None
+        return cls(_spel_cpu)
+
+    def __call__(self, name, a):
+        import numpy as np
+
+        from .checkpoints.files import mapped_region
         region = mapped_region(a) if getattr(a, "dtype", None) == np.float32 else None
-        if region is None:
-            return a
-        path, offset, dev, ino = region
-        try:
-            return _spel_cpu.read_f32(path, offset, list(a.shape), dev, ino, huge)
-        except RuntimeError:
-            return a   # the file changed under its mapping: the mapped bytes, as before
-    return read
+        if region is not None:
+            path, offset, dev, ino = region
+            try:
+                out, finite = self._ext.read_f32(path, offset, list(a.shape), dev, ino)
+            except RuntimeError:
+                pass   # the file changed under its mapping: the mapped bytes, as before
+            else:
+                if not finite:
+                    self.nonfinite.append(name)
+                return out
+        if a.size and not (np.isfinite(a.min()) and np.isfinite(a.max())):
+            self.nonfinite.append(name)
+        return a
+
+    def warn(self, source: str) -> None:
+        from .checkpoints.load import warn_nonfinite_names
+        warn_nonfinite_names(source, self.nonfinite, stacklevel=4)
 
 
 def load_for_decoding(checkpoint=None, config=None, spec_k=None, tokenizer=None, device=None):
@@ -116,12 +134,15 @@ def load_for_decoding(checkpoint=None, config=None, spec_k=None, tokenizer=None,
     from .reader import load_checkpoint
 
     path = checkpoint_path(checkpoint)
+    read = CheckedReader.for_device(device)
     with reading_checkpoint(path):
-        ck = load_checkpoint(path)
+        ck = load_checkpoint(path, check_finite=read is None)
     cfg = decoding_config(ck.cfg, config, spec_k)
     tok = decoding_tokenizer(tokenizer, ck.source, cfg)
     from .model import SpelModel
-    model = SpelModel.from_weights(cfg, HandOffWeights(ck, draft_engine_names(cfg), mapped_reader(device)))
+    model = SpelModel.from_weights(cfg, HandOffWeights(ck, draft_engine_names(cfg), read))
+    if read is not None:
+        read.warn(ck.source)
     select_ops(model, device)
     return ck, cfg, tok, model
 

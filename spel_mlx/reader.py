@@ -16,12 +16,13 @@ from .checkpoints.spelw import read_header, read_spelw
 from .layout import tensor_specs
 
 
-def load_checkpoint(path=None) -> Checkpoint:
+def load_checkpoint(path=None, check_finite: bool = True) -> Checkpoint:
     """Load a SPELW001 file or a safetensors model folder / file (see module doc).
 
     Refuses (CheckpointTooLarge) a checkpoint whose implied memory exceeds what this
     process can allocate, before allocating; warns (NonFiniteWeightsWarning) when
-    weights hold NaN or infinity, naming the tensors."""
+    weights hold NaN or infinity, naming the tensors (``check_finite`` False: the
+    caller checks them as it reads them, as loading.load_for_decoding does)."""
     path = resolve_checkpoint_path(path)
     if not os.path.exists(path):
         raise CheckpointError(path, "no such file or folder")
@@ -41,5 +42,6 @@ def load_checkpoint(path=None) -> Checkpoint:
         sp = read_spelw(path)
         ck = Checkpoint(sp.cfg, sp.tensors, sp.golden, path, "spelw", "F32", sp.file_size,
                         lambda: sp.release(0, sp.file_size), sp.release_tensor)
-    warn_nonfinite(ck)
+    if check_finite:
+        warn_nonfinite(ck)
     return ck

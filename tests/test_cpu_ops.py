@@ -649,13 +649,15 @@ def test_read_seconds_reads_every_element():
 
 def test_mapped_checkpoint_tensors_are_read_with_pread_bit_for_bit(tmp_path, monkeypatch):
     """A SPELW file's float32 tensors reach the model through read_f32 (no page faults on
-    the mapping), every one bit for bit; a file replaced under its mapping, a closed map
-    or another dtype falls back to the mapped bytes, never to the new file's."""
+    the mapping), every one bit for bit, and NaN or infinity in one is named as
+    load_checkpoint names it; a file replaced under its mapping, a closed map or another
+    dtype falls back to the mapped bytes, never to the new file's."""
     import dataclasses
+    import warnings
 
-    from spel_mlx.checkpoints import files
+    from spel_mlx.checkpoints import NonFiniteWeightsWarning, files
     from spel_mlx.checkpoints.spelw import read_spelw, write_spelw
-    from spel_mlx.loading import load_for_decoding, mapped_reader
+    from spel_mlx.loading import CheckedReader, load_for_decoding
     E = cpu_ops._spel_cpu
     cfg = dataclasses.replace(CFG, vocab=128)           # the byte tokenizer's
     path = tmp_path / "m.spelw"
@@ -667,21 +669,30 @@ def test_mapped_checkpoint_tensors_are_read_with_pread_bit_for_bit(tmp_path, mon
         calls.append(a[1])
         return read_f32(*a, **k)
     monkeypatch.setattr(E, "read_f32", counted)
-    _, _, _, model = load_for_decoding(str(path), device="cpu")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", NonFiniteWeightsWarning)
+        _, _, _, model = load_for_decoding(str(path), device="cpu")
     monkeypatch.undo()
     got = model.weights_dict()
     assert all(np.array_equal(got[n], weights[n]) for n in weights)
     assert len(calls) == len(weights) and len(set(calls)) == len(weights)   # one read per tensor
+
+    bad = dict(weights)
+    bad["layers.2.mlp.w3.weight"] = weights["layers.2.mlp.w3.weight"].copy()
+    bad["layers.2.mlp.w3.weight"][-1, -1] = np.nan        # the last value of the last 1 MB piece
+    write_spelw(tmp_path / "nan.spelw", cfg, bad)
+    with pytest.warns(NonFiniteWeightsWarning, match=r"non-finite weights \(NaN or inf\) in layers.2.mlp.w3.weight:"):
+        load_for_decoding(str(tmp_path / "nan.spelw"), device="cpu")
 
     f = read_spelw(path)
     name = next(iter(f.tensors))
     view = f.tensors[name]
     region = files.mapped_region(view)
     assert region is not None and region[0] == str(path)
-    read = mapped_reader("cpu")
-    assert np.array_equal(np.array(read(view)), weights[name])
-    assert read(view.astype(np.float64)) is not None and files.mapped_region(view.copy()) is None
+    read = CheckedReader.for_device("cpu")
+    assert np.array_equal(np.array(read(name, view)), weights[name]) and not read.nonfinite
+    assert files.mapped_region(view.copy()) is None and files.mapped_region(view.astype(np.float64)) is None
     write_spelw(tmp_path / "new.spelw", cfg, init_weights(cfg, seed=4))
     os.replace(tmp_path / "new.spelw", path)            # a new file (inode) at the path
-    assert read(view) is view and np.array_equal(view, weights[name])
-    assert mapped_reader("gpu") is None
+    assert read(name, view) is view and np.array_equal(view, weights[name])
+    assert CheckedReader.for_device("gpu") is None

@@ -109,8 +109,12 @@ def nonfinite_tensors(ck: Checkpoint) -> list:
 
 
 def warn_nonfinite(ck: Checkpoint):
-    bad = nonfinite_tensors(ck)
+    warn_nonfinite_names(ck.source, nonfinite_tensors(ck), stacklevel=4)
+
+
+def warn_nonfinite_names(source: str, bad: list, stacklevel: int = 3):
+    """The NonFiniteWeightsWarning for the weights `bad` of the checkpoint at `source` (none: nothing)."""
     if bad:
         more = f" and {len(bad) - 3} more" if len(bad) > 3 else ""
-        warnings.warn(f"{ck.source}: non-finite weights (NaN or inf) in {', '.join(bad[:3])}{more}: "
-                      f"the model's outputs will not be meaningful", NonFiniteWeightsWarning, stacklevel=3)
+        warnings.warn(f"{source}: non-finite weights (NaN or inf) in {', '.join(bad[:3])}{more}: "
+                      f"the model's outputs will not be meaningful", NonFiniteWeightsWarning, stacklevel=stacklevel)

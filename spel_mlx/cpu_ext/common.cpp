@@ -114,8 +114,19 @@ mx::array aligned_copy(const mx::array& a) {
   return out;
 }
 
-mx::array read_f32(const std::string& path, int64_t offset, const std::vector<int64_t>& dims, int64_t dev,
-                   int64_t ino, bool huge) {
+// Whether every float32 in [p, p + n) is finite (exponent bits not all set).
+static bool all_finite(const float* p, size_t n) {
+  uint32_t bad = 0;
+  for (size_t i = 0; i < n; i++) {
+    uint32_t u;
+    std::memcpy(&u, p + i, sizeof u);
+    bad |= static_cast<uint32_t>((u & 0x7f800000u) == 0x7f800000u);
+  }
+  return bad == 0;
+}
+
+std::pair<mx::array, bool> read_f32(const std::string& path, int64_t offset, const std::vector<int64_t>& dims,
+                                    int64_t dev, int64_t ino) {
   const std::string where = path + " at offset " + std::to_string(offset);
   size_t nbytes = sizeof(float);
   for (auto n : dims) {
@@ -130,11 +141,14 @@ mx::array read_f32(const std::string& path, int64_t offset, const std::vector<in
     ::close(fd);
     throw std::runtime_error("read_f32: " + where + ": not the file that was mapped, or too short");
   }
-  mx::array out = aligned_array(mx::Shape(dims.begin(), dims.end()), mx::float32, huge);
+  mx::array out = aligned_array(mx::Shape(dims.begin(), dims.end()), mx::float32, false);
   char* dst = out.data<char>();
-  size_t done = 0;
+  // in pieces of 1 MB, each checked for non-finite values while it is in the cache
+  constexpr size_t PIECE = size_t(1) << 20;
+  size_t done = 0, checked = 0;
+  bool finite = true;
   while (done < nbytes) {
-    const ssize_t n = ::pread(fd, dst + done, nbytes - done, offset + static_cast<off_t>(done));
+    const ssize_t n = ::pread(fd, dst + done, std::min(PIECE, nbytes - done), offset + static_cast<off_t>(done));
     if (n < 0 && errno == EINTR) continue;
     if (n <= 0) {
       const int err = n < 0 ? errno : 0;
@@ -142,10 +156,13 @@ mx::array read_f32(const std::string& path, int64_t offset, const std::vector<in
       throw std::runtime_error("read_f32: " + where + ": " + (err ? std::strerror(err) : "unexpected end of file"));
     }
     done += static_cast<size_t>(n);
+    const size_t whole = done / sizeof(float) * sizeof(float);
+    finite = all_finite(reinterpret_cast<const float*>(dst + checked), (whole - checked) / sizeof(float)) && finite;
+    checked = whole;
   }
   ::close(fd);
   out.set_status(mx::array::Status::available);
-  return out;
+  return {out, finite};
 }
 
 // One pass from W [R, C] to its [R/rb, C, rb] blocks (block b is rows b*rb.. transposed),

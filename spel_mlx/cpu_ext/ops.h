@@ -125,10 +125,11 @@ std::string set_simd_level(const std::string& level);
 // a copy of an evaluated row-contiguous array whose data starts on a cache line
 mx::array aligned_copy(const mx::array& a);
 // A float32 array read from bytes [offset, ...) of the file at path with pread (no
-// mapping, so no page faults on the source), into memory on 2 MB pages where huge; the
-// file must still be the one (st_dev, st_ino) that was mapped.
-mx::array read_f32(const std::string& path, int64_t offset, const std::vector<int64_t>& shape, int64_t dev,
-                   int64_t ino, bool huge);
+// mapping, so no page faults on the source); the file must still be the one (st_dev,
+// st_ino) that was mapped.  Also: whether every value is finite (checked piece by piece
+// as it arrives).
+std::pair<mx::array, bool> read_f32(const std::string& path, int64_t offset, const std::vector<int64_t>& shape,
+                                    int64_t dev, int64_t ino);
 // the [rows/rb, cols, rb] blocks the products read, made from an evaluated float32 weight
 // [rows, cols] in one pass (float16 where `half`), starting on a cache line; `huge`: its
 // 2 MB pages advised huge before the first write
