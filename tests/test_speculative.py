@@ -597,6 +597,47 @@ def _kept_continuation(tiny, K):
     return ahead, plain, history + [pending] + first
 
 
+@pytest.mark.parametrize("params", [smp.GREEDY, smp.SamplingParams(
+    temperature=0.9, top_p=0.95, repetition_penalty=1.2, repetition_window=8, seed=3, accept="residual")],
+    ids=["greedy", "sampled"])
+def test_c_draft_ahead_fresh_proposal_runs_k_forwards_with_the_same_tokens(tiny, params):
+    """A fresh proposal that opens a continuation runs K draft forwards before it returns
+    (the forward over d_{K-1} opens the continuation), not K+1; its proposal, the
+    distributions, the guess and the kept continuation are those of a draft that runs
+    all K+1 first (no continuation opened), and of a plain draft fed the same tokens."""
+    K = 4
+    split = make_proposer("c", tiny.model, tiny.w, k=K, options=DraftOptions(threads=1, ahead=True))
+    whole = make_proposer("c", tiny.model, tiny.w, k=K, options=DraftOptions(threads=1, ahead=True))
+    whole.policy = SimpleNamespace(ahead=False, round=lambda *a: None, stats=dict)
+    plain = make_proposer("c", tiny.model, tiny.w, k=K, options=DraftOptions(threads=1))
+    prompt = tiny.prompts[2]
+    history, pending = list(prompt[:-1]), prompt[-1]
+    for d in (split, whole, plain):
+        d.reset()
+        d.sync(history)
+    before = split.forwards
+    got, got_qs = split.propose(history, pending, K, params, 11)
+    assert split.forwards - before == K and split._running
+    want, want_qs = whole.propose(history, pending, K, params, 11)
+    assert got == want and not whole._running
+    if got_qs is not None:
+        assert all(np.array_equal(a, b) for a, b in zip(got_qs, want_qs)) and len(got_qs) == K
+    g, g_q = split.guess()
+    assert (g, g_q is None) == (whole.guess()[0], whole.guess()[1] is None)
+    if g_q is not None:
+        assert np.array_equal(g_q, whole.guess()[1])
+    split.commit(K + 1)                                  # all accepted: the continuation is kept
+    assert split._ready is not None and split._ready[0] == g
+    later = history + [pending] + got
+    cont, _ = split.propose(later, g, K, params, 11)
+    assert split.hits == 1
+    plain.sync(later)
+    ref, _ = plain.propose(later, g, K, params, 11)
+    assert cont == ref
+    for d in (split, whole, plain):
+        d.close()
+
+
 def test_c_draft_ahead_continuation_is_dropped_when_the_draft_fell_behind(tiny):
     """A continuation kept for "pending == guess" is not used once tokens were committed
     without the draft (an n-gram round in auto): the proposal is the fresh one."""

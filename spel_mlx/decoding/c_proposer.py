@@ -147,8 +147,11 @@ class CDraftAheadProposer(CDraftProposer):
     during the verification it proposes [g, e_0..e_{K-1}] continuing its uncommitted
     batch, as if all K were accepted and the correction were g.  If that happens, the
     commit keeps the continuation and the next proposal costs nothing; otherwise
-    committing n+1 drops it.  The tokens are CDraftProposer's (the same proposals from
-    the same context and noise); the ring holds 2K+2.  The thread is the C module's own: a
+    committing n+1 drops it.  A fresh proposal runs K forwards on the critical path, not
+    K+1: d_{K-1} comes from the head of the K-th, and the forward over d_{K-1} (whose head
+    gives g) opens the continuation on the draft's thread.  The tokens are
+    CDraftProposer's (the same proposals from the same context and noise); the ring holds
+    2K+2.  The thread is the C module's own: a
     Python thread would first wait for the GIL, which the target's pass holds.
     ``draft_s`` (and c) counts only the draft work left on the critical path.
     docs/decoding.md, "Drafting ahead".  `policy` (an ``ahead.AheadPolicy``) decides per
@@ -164,6 +167,7 @@ class CDraftAheadProposer(CDraftProposer):
         self._ready = None          # (pending, proposal, guess, qs, guess q) of a kept continuation
         self._k = 0
         self._guess = self._guess_q = None
+        self._with_guess = False    # the running continuation starts at d_{K-1}: its first token is g
         self._params = None
         self._peeked = None         # the continuation's tokens, joined early by `peek`
         self._proposal = []         # this round's proposal
@@ -193,9 +197,16 @@ class CDraftAheadProposer(CDraftProposer):
             return None
         self._running = False
         self._peeked = ahead or []      # the wait ran beside the verification: the policy sees none
-        if len(self._peeked) < self._k:
+        guess, tokens = self._split(self._peeked)
+        if len(tokens) < self._k:
             return None
-        return self._guess, [int(t) for t in ahead[:self._k]]
+        return guess, [int(t) for t in tokens[:self._k]]
+
+    def _split(self, ahead):
+        """(g, [e_0.., g2]) of a continuation's tokens (g: this round's guess)."""
+        if self._with_guess:
+            return (ahead[0] if ahead else None), ahead[1:]
+        return self._guess, ahead
 
     def reset(self):
         self._join()
@@ -223,9 +234,12 @@ class CDraftAheadProposer(CDraftProposer):
             return super().propose(history, pending, k, params, seed)
         sampled = self._configure(params, seed)
         ready, self._ready = self._ready, None
+        start = (self.policy is None or self.policy.ahead) and \
+            int(self.cdraft.pos) + 2 * k + 2 <= self.cdraft.cfg.max_seq   # the continuation's positions fit
         # a kept continuation is valid only right after its round: same pending, same K,
         # and no tokens committed meanwhile without this draft (auto's n-gram rounds)
         fresh_s = None
+        split = False
         if ready is not None and ready[0] == int(pending) and len(ready[1]) == k and \
                 self.pos == len(history):
             _, proposal, guess, qs, guess_q = ready     # drafted during the last verify
@@ -233,26 +247,29 @@ class CDraftAheadProposer(CDraftProposer):
         else:
             if ready is not None:
                 self.misses += 1                         # the fresh batch below overwrites it
+            # one that opens a continuation leaves the forward over d_{K-1} to it
+            split = start and k >= 2
             self.sync(history)
             if sampled:
                 self._context(params, history, len(history))
             t0 = time.perf_counter()
-            toks = self.cdraft.propose_at(int(pending), k, 0, guess=True)
+            toks = self.cdraft.propose_at(int(pending), k - 1 if split else k, 0, guess=True)
             fresh_s = time.perf_counter() - t0
-            proposal, guess = toks[:k], toks[k]
-            qs, guess_q = self._qs(params, 0, k), self._q(params, k)
-            self.forwards += k + 1
+            proposal, guess = toks[:k], (None if split else toks[k])
+            qs, guess_q = self._qs(params, 0, k), (None if split else self._q(params, k))
+            self.forwards += k if split else k + 1
         self._k, self._guess, self._guess_q, self._params = k, guess, guess_q, params
         self._proposal = [int(t) for t in proposal]
-        start = (self.policy is None or self.policy.ahead) and \
-            int(self.cdraft.pos) + 2 * k + 2 <= self.cdraft.cfg.max_seq   # the continuation's positions fit
         self._round = (start, fresh_s is None, fresh_s)
+        self._with_guess = split
         if start:
-            if sampled:   # its pending token g sits at sequence index len(history) + k + 1
+            # the continuation's pending token (d_{K-1} when split, else g) and its sequence index
+            first, at = (proposal[-1], len(history) + k) if split else (guess, len(history) + k + 1)
+            if sampled:
                 W = params.window
-                tail = (list(history[-W:]) if W else []) + [int(pending)] + proposal
-                self._context(params, tail, len(history) + k + 1)
-            self.cdraft.propose_at_async(guess, k, k + 1, True)
+                tail = (list(history[-W:]) if W else []) + [int(pending)] + list(proposal[:at - len(history) - 1])
+                self._context(params, tail, at)
+            self.cdraft.propose_at_async(first, k + 1 if split else k, k if split else k + 1, True)
             self._running = True
         return proposal, qs
 
@@ -267,16 +284,24 @@ class CDraftAheadProposer(CDraftProposer):
         if self.policy is not None:
             self.policy.round(*self._round, time.perf_counter() - t0)
         self._round = (False, False, None)
-        if ahead and n == self._k + 1:
+        guess, ahead = self._split(ahead or [])
+        if len(ahead) > self._k and n == self._k + 1:
             k, params = self._k, self._params
             qs, guess_q = self._qs(params, k + 1, k), self._q(params, 2 * k + 1)   # before the offsets shift
             self.cdraft.commit_keep(n)                   # keep [g, e_0..e_{K-1}] pending
-            self._ready = (self._guess, ahead[:k], ahead[k], qs, guess_q)
+            self._ready = (guess, ahead[:k], ahead[k], qs, guess_q)
             self.forwards += self._k + 1
         else:
             self.cdraft.commit(n)                        # drops the continuation
 
     def guess(self):
+        if self._with_guess and self._guess is None and (self._running or self._peeked is not None):
+            # g is the continuation's first token: wait for it (the commit still gets the rest)
+            if self._peeked is None:
+                self._running = False
+                self._peeked = self.cdraft.wait() or []
+            if self._peeked:
+                self._guess, self._guess_q = self._peeked[0], self._q(self._params, self._k)
         return None if self._guess is None else (self._guess, self._guess_q)
 
     def close(self):
