@@ -75,3 +75,37 @@ def test_a_bad_switch_is_an_error_naming_it():
     out = subprocess.run([sys.executable, "-m", "spel_mlx", "info"], env=env, capture_output=True, text=True,
                          timeout=60)
     assert out.returncode == 2 and out.stderr == "error: SPEL_HEAP_TUNING='maybe': expected 0 or 1\n"
+
+
+TRIM_CHILD = r"""
+import ctypes, sys
+import spel_mlx
+from spel_mlx.platform import heap
+libc = ctypes.CDLL(None)
+libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t]
+libc.free.argtypes = [ctypes.c_void_p]
+def rss_kb():
+    return int(next(l for l in open("/proc/self/status") if l.startswith("RssAnon:")).split()[1])
+N = 24 << 20
+low, high = libc.malloc(N), libc.malloc(1 << 20)     # a freed chunk below one in use
+ctypes.memset(low, 1, N)
+ctypes.memset(high, 1, 1 << 20)
+libc.free(low)
+before = rss_kb()
+released = heap.release_free() if sys.argv[1] == "trim" else 0
+print(released, before - rss_kb())
+"""
+
+
+@pytest.mark.skipif(not GLIBC, reason="malloc_trim is glibc's")
+def test_release_free_returns_freed_chunks_inside_the_heap():
+    """A 24 MB chunk freed below one still in use stays resident (the heap keeps it), and
+    release_free gives its pages back; without the call they stay (the control)."""
+    out = {}
+    for how in ("trim", "keep"):
+        r = subprocess.run([sys.executable, "-c", TRIM_CHILD, how], capture_output=True, text=True, timeout=120)
+        assert r.returncode == 0, r.stderr
+        released, dropped_kb = map(int, r.stdout.split())
+        out[how] = (released, dropped_kb)
+    assert out["trim"][0] == 1 and out["trim"][1] > 20 << 10, out
+    assert out["keep"][1] < 1 << 10, out

@@ -19,6 +19,7 @@ from ..model.backends import device_scope
 from ..model.passes import get_pass, prepare_stack
 from ..model.state import KV_DTYPES
 from ..native import clib
+from ..platform import heap
 
 PREPARE = ("spec", "ar", "none")   # load(prepare=...)
 
@@ -62,6 +63,7 @@ def warm_up(loaded, mode: str = "spec") -> None:
                 prepare_stack(model, "target", M, pages_soon=True)
             else:                        # one pass for every position: the pass itself
                 get_pass(model, "target", M, M, KV_DTYPES[model.kv_cache], pages_soon=True)
+    heap.release_free()
 
 
 def take_draft(loaded, threads: int, ring: int):
