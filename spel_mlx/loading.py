@@ -79,10 +79,10 @@ class HandOffWeights(Mapping):
 class CheckedReader:
     """For HandOffWeights: a float32 tensor that views a mapped checkpoint file becomes
     the MLX array read from the file with pread (no page faults on the mapping;
-    docs/never_slower.md), checked for NaN and infinity as
-    it arrives; any other tensor is checked with numpy and passed on.  `warn` then names
-    the non-finite ones, as load_checkpoint would have.  `for_device` gives None off the
-    CPU or without the fused CPU extension."""
+    docs/never_slower.md), checked for NaN and infinity as it arrives; any other tensor
+    is checked with numpy and passed on.  `warn` then names the non-finite ones, as
+    load_checkpoint would have.  `for_device` gives None off the CPU or without the
+    fused CPU extension."""
 
     def __init__(self, ext):
         self._ext, self.nonfinite = ext, []
