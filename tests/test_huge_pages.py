@@ -113,3 +113,43 @@ def test_back_soon_maps_on_another_thread_and_back_leaves_those_arrays_to_it(mon
     assert np.frombuffer(memoryview(a), dtype=np.uint8).ctypes.data == address
     assert np.array_equal(np.array(a), values)
     assert huge_pages.back([a]) >= 8 << 20          # its own again: already huge, counted
+
+
+def test_back_soon_holds_until_released_or_its_time(monkeypatch):
+    """hold_soon keeps the background thread from starting (a load's layouts wait for the
+    first call's first token); release_soon lets it go at once, and a hold ends by itself
+    after HOLD_S; without a hold it starts at once (the control)."""
+    import time
+    monkeypatch.delenv("SPEL_HUGE_PAGES", raising=False)
+    if huge_pages.state() != "on":
+        pytest.skip(huge_pages.state())
+    started = []
+    original = huge_pages._back_extents
+
+    def seen(extents):
+        started.append(time.perf_counter())
+        return original(extents)
+    monkeypatch.setattr(huge_pages, "_back_extents", seen)
+
+    def fresh():
+        a = mx.array(np.ones(1 << 20, dtype=np.float32))
+        mx.eval(a)
+        return a
+    try:
+        for hold, release, waits in ((True, True, False), (True, False, True), (False, False, False)):
+            if hold:
+                huge_pages.hold_soon()
+            started.clear()
+            t0 = time.perf_counter()
+            huge_pages.back_soon([fresh()])
+            time.sleep(0.3)
+            assert bool(started) == (not hold), (hold, release)
+            if release:
+                huge_pages.release_soon()
+            deadline = time.perf_counter() + huge_pages.HOLD_S + 5
+            while not started and time.perf_counter() < deadline:
+                time.sleep(0.01)
+            assert started and ((started[0] - t0 >= huge_pages.HOLD_S * 0.9) == waits), (hold, release)
+            huge_pages.wait_soon()
+    finally:
+        huge_pages.release_soon()

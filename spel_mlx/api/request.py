@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 import mlx.core as mx
 
+from ..platform import huge_pages
 from . import engine
 from .rows import logprobs_of
 from .stream import stream_rounds
@@ -108,6 +109,8 @@ class Request:
         def on_round(rnd: engine.Round):
             prefilled()
             state["round"] += 1
+            if state["round"] == 1:
+                huge_pages.release_soon()   # a load's layouts waited for this first token
             rows = rnd.rows if self.logprobs else None
             pieces = [[t, detok.push(t), i < rnd.accepted, None if rows is None else rows[i]]
                       for i, t in enumerate(rnd.tokens)]

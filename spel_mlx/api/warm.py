@@ -3,7 +3,8 @@
 ``warm_up(loaded, "spec")``, what ``load(prepare="spec")`` does, builds the default C
 draft on another thread (its C code runs without the GIL) while this thread builds the
 target's passes (or their weight layouts) for its step and its verification; their
-mapping onto huge pages runs on a third thread, which the first call does not wait for.
+mapping onto huge pages runs on a third thread, which the first call does not wait for
+(and which waits for the first call's first token, or HOLD_S, before it starts).
 ``"ar"`` builds the step's only.  The first call takes the prepared draft (``take_draft``)
 instead of building one; the text is the same either way (a prepared draft is an
 ordinary one, built earlier).
@@ -19,7 +20,7 @@ from ..model.backends import device_scope
 from ..model.passes import get_pass, prepare_stack
 from ..model.state import KV_DTYPES
 from ..native import clib
-from ..platform import heap
+from ..platform import heap, huge_pages
 
 PREPARE = ("spec", "ar", "none")   # load(prepare=...)
 
@@ -57,6 +58,7 @@ def warm_up(loaded, mode: str = "spec") -> None:
     if loaded.device != "cpu":     # a GPU's layouts are views MLX builds in the pass
         return
     model = loaded.model
+    huge_pages.hold_soon()          # the first call's first token comes before the collapses
     with device_scope("cpu"):
         for M in sorted({1, k + 1}) if mode == "spec" else (1,):
             if model.ops.windowed:       # a pass per attention window: the layouts only

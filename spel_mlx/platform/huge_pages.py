@@ -14,6 +14,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import sys
+import threading
 
 import mlx.core as mx
 import numpy as np
@@ -116,6 +117,20 @@ def _not_handed(arrays) -> list:
 
 _soon = set()       # extents the background thread has yet to back (back() leaves them)
 _work = None        # its queue.Queue: lists of arrays, kept alive until backed
+_go = threading.Event()   # clear: the thread holds (hold_soon) until release_soon or HOLD_S
+_go.set()
+HOLD_S = 2.0
+
+
+def hold_soon() -> None:
+    """Let the background thread wait, before its next arrays, until `release_soon` (at
+    most HOLD_S seconds): a collapse stalls whatever touches that memory meanwhile, so a
+    load holds it and the first call releases it once its first token is out."""
+    _go.clear()
+
+
+def release_soon() -> None:
+    _go.set()
 
 
 def back_soon(arrays) -> None:
@@ -129,7 +144,6 @@ def back_soon(arrays) -> None:
     _soon.update(e for _, e in todo)
     if _work is None:
         import queue
-        import threading
         _work = queue.Queue()
         threading.Thread(target=_backer, args=(_work,), name="spel-huge-pages", daemon=True).start()
     _work.put(todo)
@@ -138,6 +152,7 @@ def back_soon(arrays) -> None:
 def _backer(work) -> None:
     while True:
         todo = work.get()
+        _go.wait(HOLD_S)
         try:
             _back_extents([e for _, e in todo])
         finally:
@@ -147,7 +162,9 @@ def _backer(work) -> None:
 
 
 def wait_soon() -> None:
-    """Wait until everything handed to `back_soon` is backed (tests, benchmarks)."""
+    """Wait until everything handed to `back_soon` is backed (tests, benchmarks); a hold
+    ends."""
+    release_soon()
     if _work is not None:
         _work.join()
 
