@@ -72,4 +72,3 @@ def release_free() -> int:
         return 0
     trim.argtypes, trim.restype = [ctypes.c_size_t], ctypes.c_int
     return trim(0)
-
