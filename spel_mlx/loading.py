@@ -103,6 +103,7 @@ class CheckedReader:
         import numpy as np
 
         from .checkpoints.files import mapped_region
+        from .checkpoints.load import all_finite
         region = mapped_region(a) if getattr(a, "dtype", None) == np.float32 else None
         if region is not None:
             path, offset, dev, ino = region
@@ -114,7 +115,7 @@ class CheckedReader:
                 if not finite:
                     self.nonfinite.append(name)
                 return out
-        if a.size and not (np.isfinite(a.min()) and np.isfinite(a.max())):
+        if not all_finite(a):
             self.nonfinite.append(name)
         return a
 

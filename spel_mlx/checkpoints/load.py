@@ -96,12 +96,17 @@ def is_spelw(path) -> bool:
         return False
 
 
+def all_finite(a) -> bool:
+    """Whether a tensor holds no NaN and no +-inf (min/max propagate both)."""
+    return not a.size or bool(np.isfinite(a.min()) and np.isfinite(a.max()))
+
+
 def nonfinite_tensors(ck: Checkpoint) -> list:
-    """Names of the weights holding NaN or +-inf (min/max propagate both; each
-    tensor's mapped pages are dropped once looked at)."""
+    """Names of the weights holding NaN or +-inf (each tensor's mapped pages are
+    dropped once looked at)."""
     bad = []
     for name, a in ck.weights.items():
-        if not (np.isfinite(a.min()) and np.isfinite(a.max())):
+        if not all_finite(a):
             bad.append(name)
         if ck._release_one is not None:
             ck._release_one(name)
