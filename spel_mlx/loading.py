@@ -85,7 +85,9 @@ class CheckedReader:
     fused CPU extension."""
 
     def __init__(self, ext):
+        from .platform import huge_pages
         self._ext, self.nonfinite = ext, []
+        self._huge = huge_pages.state() == "on"
 
     @classmethod
     def for_device(cls, device=None):
@@ -108,7 +110,7 @@ class CheckedReader:
         if region is not None:
             path, offset, dev, ino = region
             try:
-                out, finite = self._ext.read_f32(path, offset, list(a.shape), dev, ino)
+                out, finite = self._ext.read_f32(path, offset, list(a.shape), dev, ino, self._huge)
             except RuntimeError:
                 pass   # the file changed under its mapping: the mapped bytes, as before
             else:

@@ -647,6 +647,24 @@ def test_read_seconds_reads_every_element():
         E.read_seconds(mx.zeros((4,), mx.int32))
 
 
+def test_read_f32_into_populated_pages_bit_for_bit(tmp_path):
+    """A read of several MB (its pages mapped in one call first, on 2 MB pages where
+    `huge`) gives the file's bytes at the offset, huge or not, and a NaN is reported."""
+    from spel_mlx import _spel_cpu as E
+    vals = np.random.default_rng(5).standard_normal(3 * (1 << 20) + 77).astype(np.float32)
+    path = tmp_path / "w.bin"
+    path.write_bytes(b"\0" * 100 + vals.tobytes())
+    st = os.stat(path)
+    for huge in (False, True):
+        a, finite = E.read_f32(str(path), 100, [vals.size], st.st_dev, st.st_ino, huge)
+        assert finite and np.array_equal(np.array(a).view(np.uint32), vals.view(np.uint32))
+    vals[-1] = np.nan
+    path.write_bytes(b"\0" * 100 + vals.tobytes())
+    st = os.stat(path)
+    _, finite = E.read_f32(str(path), 100, [vals.size], st.st_dev, st.st_ino, True)
+    assert not finite
+
+
 def test_mapped_checkpoint_tensors_are_read_with_pread_bit_for_bit(tmp_path, monkeypatch):
     """A SPELW file's float32 tensors reach the model through read_f32 (no page faults on
     the mapping), every one bit for bit, and NaN or infinity in one is named as

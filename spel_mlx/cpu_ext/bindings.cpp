@@ -48,9 +48,12 @@ NB_MODULE(_spel_cpu, m) {
   m.def("aligned_copy", &aligned_copy, nb::arg("a"),
         "A copy of an evaluated row-contiguous array whose data starts on a cache line");
   m.def("read_f32", &read_f32, nb::arg("path"), nb::arg("offset"), nb::arg("shape"), nb::arg("dev"),
-        nb::arg("ino"), nb::call_guard<nb::gil_scoped_release>(),
+        nb::arg("ino"), nb::arg("huge") = false, nb::call_guard<nb::gil_scoped_release>(),
         "(a float32 array of a file's bytes at offset, whether all are finite): pread, the file checked "
-        "by st_dev and st_ino, starting on a cache line");
+        "by st_dev and st_ino, starting on a cache line; huge: 2 MB pages advised before the read");
+  m.def("exactly_half", &exactly_half, nb::arg("w"), nb::call_guard<nb::gil_scoped_release>(),
+        "Whether every value of an evaluated row-contiguous float32 array is exactly a binary16 one "
+        "(NaN never); stops at the first that is not");
   m.def("weight_blocks", &weight_blocks, nb::arg("w"), nb::arg("rb"), nb::arg("half") = false,
         nb::arg("huge") = false, nb::call_guard<nb::gil_scoped_release>(),
         "The [rows/rb, cols, rb] blocks of an evaluated float32 weight [rows, cols], in one pass "

@@ -81,7 +81,10 @@ void CpuPrimitive::eval_cpu(const std::vector<mx::array>& in, std::vector<mx::ar
 // header), so the 256-byte rows of a weight block straddle cache lines on every other
 // vector load; these arrays start on a cache line.  `huge`: the 2 MB pages inside the
 // buffer are advised huge before anything touches them, so the first writes map them
-// that way (no later collapse copies them).
+// that way (no later collapse copies them).  Every caller writes the whole array, so a
+// large one has its pages mapped in one call first (MADV_POPULATE_WRITE, Linux 5.14):
+// faulting them in one by one costs several times that, most of all in a virtual machine
+// and on 2 MB pages (docs/never_slower.md).
 static mx::array aligned_array(const mx::Shape& shape, mx::Dtype dtype, bool huge) {
   constexpr uintptr_t LINE = 64;
   size_t nbytes = dtype.size();
@@ -93,6 +96,13 @@ static mx::array aligned_array(const mx::Shape& shape, mx::Dtype dtype, bool hug
   constexpr uintptr_t HUGE = uintptr_t(2) << 20;
   const uintptr_t lo = (raw + HUGE - 1) & ~(HUGE - 1), hi = (raw + nbytes + LINE) & ~(HUGE - 1);
   if (huge && hi > lo) madvise(reinterpret_cast<void*>(lo), hi - lo, MADV_HUGEPAGE);
+  constexpr uintptr_t PAGE = 4096, POPULATE_MIN = uintptr_t(1) << 20;
+#ifndef MADV_POPULATE_WRITE
+  constexpr int MADV_POPULATE_WRITE = 23;
+#endif
+  const uintptr_t first = (raw + PAGE - 1) & ~(PAGE - 1), last = (raw + nbytes + LINE) & ~(PAGE - 1);
+  if (nbytes >= POPULATE_MIN && last > first)   // an older kernel refuses the advice: faults, as before
+    madvise(reinterpret_cast<void*>(first), last - first, MADV_POPULATE_WRITE);
 #else
   (void)huge;
 #endif
@@ -126,7 +136,7 @@ static bool all_finite(const float* p, size_t n) {
 }
 
 std::pair<mx::array, bool> read_f32(const std::string& path, int64_t offset, const std::vector<int64_t>& dims,
-                                    int64_t dev, int64_t ino) {
+                                    int64_t dev, int64_t ino, bool huge) {
   const std::string where = path + " at offset " + std::to_string(offset);
   size_t nbytes = sizeof(float);
   for (auto n : dims) {
@@ -141,7 +151,7 @@ std::pair<mx::array, bool> read_f32(const std::string& path, int64_t offset, con
     ::close(fd);
     throw std::runtime_error("read_f32: " + where + ": not the file that was mapped, or too short");
   }
-  mx::array out = aligned_array(mx::Shape(dims.begin(), dims.end()), mx::float32, false);
+  mx::array out = aligned_array(mx::Shape(dims.begin(), dims.end()), mx::float32, huge);
   char* dst = out.data<char>();
   // in pieces of 1 MB, each checked for non-finite values while it is in the cache
   constexpr size_t PIECE = size_t(1) << 20;
@@ -163,6 +173,38 @@ std::pair<mx::array, bool> read_f32(const std::string& path, int64_t offset, con
   ::close(fd);
   out.set_status(mx::array::Status::available);
   return {out, finite};
+}
+
+// Whether the float32 with bits u survives a round trip through binary16 unchanged (what
+// MLX's astype(float16).astype(float32) == w answers): zeros, infinities, normal halves,
+// and the binary16 subnormals (multiples of 2^-24); never a NaN.
+static inline bool half_exact(uint32_t u) {
+  const uint32_t e = (u >> 23) & 0xffu, man = u & 0x7fffffu;
+  if (e == 0xffu) return man == 0;                 // infinity yes, NaN no
+  if (e == 0) return man == 0;                     // float32 subnormals are below binary16's
+  const int ue = static_cast<int>(e) - 127;
+  if (ue > 15 || ue < -24) return false;
+  const int low = ue >= -14 ? 13 : -(ue + 1);      // mantissa bits binary16 cannot hold
+  return (man & ((1u << low) - 1u)) == 0;
+}
+
+bool exactly_half(const mx::array& w) {
+  if (!w.is_available() || !w.flags().row_contiguous || w.dtype() != mx::float32)
+    throw std::invalid_argument("exactly_half: expected an evaluated row-contiguous float32 array");
+  const float* p = w.data<float>();
+  const size_t n = w.size();
+  // in pieces, so a float32 checkpoint answers at its first value
+  constexpr size_t PIECE = 4096;
+  for (size_t i = 0; i < n; i += PIECE) {
+    bool ok = true;
+    for (size_t j = i, end = std::min(n, i + PIECE); j < end; j++) {
+      uint32_t u;
+      std::memcpy(&u, p + j, sizeof u);
+      ok &= half_exact(u);
+    }
+    if (!ok) return false;
+  }
+  return true;
 }
 
 // One pass from W [R, C] to its [R/rb, C, rb] blocks (block b is rows b*rb.. transposed),

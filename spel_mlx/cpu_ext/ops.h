@@ -127,9 +127,12 @@ mx::array aligned_copy(const mx::array& a);
 // A float32 array read from bytes [offset, ...) of the file at path with pread (no
 // mapping, so no page faults on the source); the file must still be the one (st_dev,
 // st_ino) that was mapped.  Also: whether every value is finite (checked piece by piece
-// as it arrives).
+// as it arrives).  `huge`: its 2 MB pages advised huge before the read.
 std::pair<mx::array, bool> read_f32(const std::string& path, int64_t offset, const std::vector<int64_t>& shape,
-                                    int64_t dev, int64_t ino);
+                                    int64_t dev, int64_t ino, bool huge);
+// whether every value of an evaluated row-contiguous float32 array is exactly a binary16 one
+// (a float16 checkpoint's are); stops at the first that is not
+bool exactly_half(const mx::array& w);
 // the [rows/rb, cols, rb] blocks the products read, made from an evaluated float32 weight
 // [rows, cols] in one pass (float16 where `half`), starting on a cache line; `huge`: its
 // 2 MB pages advised huge before the first write

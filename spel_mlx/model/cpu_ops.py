@@ -155,7 +155,7 @@ class CPUFusedOps(MLXOps):
         # blocks on cache lines, made in one pass; binary16 only for the tiles (the BLAS
         # would widen them per call)
         lin.warm(self.layout_rows(M), blocks=True, build=_weight_blocks,
-                 half=self.half_weights and bool(_spel_cpu.fma_chain_linear()))
+                 half=self.half_weights and bool(_spel_cpu.fma_chain_linear()), half_test=_spel_cpu.exactly_half)
 
     def linear(self, x, lin):
         blocks = self._blocks(x, lin)

@@ -95,28 +95,35 @@ class Linear(nn.Module):
         self.weight = W
         object.__setattr__(self, "_views", (W, cache))
 
-    def exactly_half(self) -> bool:
+    def exactly_half(self, test=None) -> bool:
         """Whether every weight is exactly a binary16 value (a float16 checkpoint's
-        are): float16 blocks then hold the same numbers in half the bytes."""
+        are): float16 blocks then hold the same numbers in half the bytes.  ``test``:
+        a faster answer for the evaluated contiguous float32 weight (one that stops at
+        the first value that is not), else MLX ops over the whole weight."""
         cache = self._cache()
         if "half" not in cache:
             W = self.weight
-            cache["half"] = bool(mx.all(W.astype(mx.float16).astype(W.dtype) == W).item())
+            if test is not None and W.dtype == mx.float32:
+                W = mx.contiguous(W)
+                mx.eval(W)
+                cache["half"] = bool(test(W))
+            else:
+                cache["half"] = bool(mx.all(W.astype(mx.float16).astype(W.dtype) == W).item())
         return cache["half"]
 
-    def warm(self, M: int, blocks: bool = False, build=None, half: bool = False) -> None:
+    def warm(self, M: int, blocks: bool = False, build=None, half: bool = False, half_test=None) -> None:
         """Build the layout an M-row product uses; ``blocks``: instead, one 3-D
         [nb, in, rb] array (a single block for a plain W^T), what the fused CPU
         primitives read, made by ``build(weight, rb, half)`` where given (one pass from
         the evaluated float32 weight), else by MLX ops; ``half``: as float16 where the
-        weights are exactly binary16 (``exactly_half``)."""
+        weights are exactly binary16 (``exactly_half(half_test)``)."""
         rb = row_block(*self.weight.shape, M)
         cache = self._cache()
         if not blocks:
             self.weight_view(rb, warm=True)
             return
         if ("3d", rb) not in cache:
-            half = half and self.exactly_half()
+            half = half and self.exactly_half(half_test)
             if build is not None:
                 W = mx.contiguous(self.weight)
                 mx.eval(W)
