@@ -126,13 +126,16 @@ class CheckedReader:
         warn_nonfinite_names(source, self.nonfinite, stacklevel=4)
 
 
-def load_for_decoding(checkpoint=None, config=None, spec_k=None, tokenizer=None, device=None):
+def load_for_decoding(checkpoint=None, config=None, spec_k=None, tokenizer=None, device=None,
+                      opened=None):
     """(checkpoint, config, tokenizer, model).  `checkpoint` None: SPEL_WEIGHTS, else
     the installed default; `config`: overrides "k=v,..." that must agree with it;
     `device`: where the target will run, "cpu" | "gpu" (None: the current default
     device), which decides its ops (spel_mlx.model.backends).  The checkpoint's
     ``weights`` keep only what the C draft reads (layout.draft_engine_names): the
-    rest lives in the model."""
+    rest lives in the model.  `opened(config, weights)`, where given, is called once
+    the checkpoint is open and before the model reads its weights (``load`` starts
+    the C draft's build there)."""
     from .layout import draft_engine_names
     from .reader import load_checkpoint
 
@@ -142,6 +145,8 @@ def load_for_decoding(checkpoint=None, config=None, spec_k=None, tokenizer=None,
         ck = load_checkpoint(path, check_finite=read is None)
     cfg = decoding_config(ck.cfg, config, spec_k)
     tok = decoding_tokenizer(tokenizer, ck.source, cfg)
+    if opened is not None:      # what the C draft reads (the model's reads take the rest out of ck.weights)
+        opened(cfg, {n: ck.weights[n] for n in draft_engine_names(cfg) if n in ck.weights})
     from .model import SpelModel
     model = SpelModel.from_weights(cfg, HandOffWeights(ck, draft_engine_names(cfg), read))
     if read is not None:

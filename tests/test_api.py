@@ -288,6 +288,53 @@ def test_a_load_prepares_the_default_draft_and_the_text_is_the_same():
         load(prepare="soon")
 
 
+def test_the_draft_build_starts_before_the_target_reads_its_weights(monkeypatch):
+    """load(prepare="spec") starts the C draft's build once the checkpoint is open, from
+    the draft's own tensors, before the model reads a weight (so its quantization runs
+    beside that read); a load that fails after that closes the draft it started."""
+    from spel_mlx.api import loading as api_loading
+    from spel_mlx.api import warm
+    from spel_mlx.layout import draft_engine_names
+    from spel_mlx.model import SpelModel
+    from spel_mlx.native import clib
+    if not clib.available():
+        pytest.skip("the C draft is not built")
+    events, start, from_weights = [], warm.start_draft, SpelModel.from_weights.__func__
+
+    def started(cfg, weights, mode="spec"):
+        events.append(("draft", sorted(weights)))
+        return start(cfg, weights, mode)
+
+    def model_reads(cls, cfg, weights):
+        events.append(("model", None))
+        return from_weights(cls, cfg, weights)
+    monkeypatch.setattr(api_loading, "start_draft", started)
+    monkeypatch.setattr(SpelModel, "from_weights", classmethod(model_reads))
+    model, _ = load(prepare="spec")
+    try:
+        assert [e[0] for e in events] == ["draft", "model"]
+        assert events[0][1] == sorted(draft_engine_names(model.cfg)) and len(model.prepared) == 1
+    finally:
+        model.close()
+
+    closed = []
+
+    def failing(cls, cfg, weights):
+        raise MemoryError("no room for the model")
+    monkeypatch.setattr(SpelModel, "from_weights", classmethod(failing))
+    from spel_mlx.native import cdraft
+    close = cdraft.CDraft.close
+
+    def counted_close(self):
+        if self._d is not None:
+            closed.append(1)
+        close(self)
+    monkeypatch.setattr(cdraft.CDraft, "close", counted_close)
+    with pytest.raises(MemoryError, match="no room"):
+        load(prepare="spec")
+    assert closed == [1]
+
+
 def test_a_prepared_draft_that_failed_is_built_again_where_its_error_shows(monkeypatch):
     """A background build that raised leaves no trace: the call builds its own draft."""
     from concurrent.futures import Future

@@ -10,7 +10,7 @@ from ..config import ModelConfig
 from ..loading import LoadError, NoCheckpoint, load_for_decoding
 from ..model.backends import DeviceError, placement_device
 from ..model.state import KV_DTYPES
-from .warm import PREPARE, warm_up
+from .warm import PREPARE, start_draft, warm_up
 
 __all__ = ["LoadError", "LoadedModel", "NoCheckpoint", "load"]
 
@@ -98,9 +98,17 @@ def load(path=None, *, tokenizer=None, config=None, placement=None, kv_cache="fl
         device = placement_device(placement)
     except DeviceError as e:
         raise LoadError(str(e)) from None
-    ck, _, tok, model = load_for_decoding(None if path is None else str(path), config, None, tokenizer,
-                                          device=device)
+    prepared = {}      # the C draft, built from when the checkpoint is open
+    try:
+        ck, _, tok, model = load_for_decoding(None if path is None else str(path), config, None, tokenizer,
+                                              device=device,
+                                              opened=lambda cfg, w: prepared.update(start_draft(cfg, w, prepare)))
+    except BaseException:
+        for built in prepared.values():     # a load that failed leaves no draft behind
+            if built.exception() is None:
+                built.result().close()
+        raise
     model.kv_cache = kv_cache
-    loaded = LoadedModel(model, ck.weights, ck.source, device)   # the C draft's numpy weights only
+    loaded = LoadedModel(model, ck.weights, ck.source, device, prepared=prepared)   # the C draft's numpy weights only
     warm_up(loaded, prepare)
     return loaded, tok

@@ -1,7 +1,8 @@
 """One-time costs paid at load rather than inside the first call (docs/never_slower.md).
 
 ``warm_up(loaded, "spec")``, what ``load(prepare="spec")`` does, builds the default C
-draft on another thread (its C code runs without the GIL) while this thread builds the
+draft on another thread (its C code runs without the GIL; ``load`` starts it with
+``start_draft`` before it reads the target's weights) while this thread builds the
 target's passes (or their weight layouts) for its step and its verification; their
 mapping onto huge pages runs on a third thread, which the first call does not wait for
 (and which waits for the first call's first token, or HOLD_S, before it starts).
@@ -34,27 +35,37 @@ def c_draft_plan(threads: int | None, draft_ahead: str) -> tuple:
     return threads, draft_ahead == "on"
 
 
+def start_draft(cfg, weights, mode: str = "spec") -> dict:
+    """Start building the default C draft of `cfg` from `weights` (the checkpoint's float32
+    arrays) on another thread when `mode` is "spec": ``{(threads, ring): Future}`` for
+    ``LoadedModel.prepared``, else {}.  ``load`` starts it as soon as the checkpoint is
+    open, so the draft's quantization runs beside the reading of the target's weights."""
+    if mode != "spec" or not clib.available() or cfg.n_draft <= 0 or not weights:
+        return {}
+    threads, ahead = c_draft_plan(None, "auto")
+    ring = c_draft_ring(cfg.spec_k, ahead)
+    built: Future = Future()
+
+    def build():
+        try:
+            from ..native.cdraft import CDraft
+            built.set_result(CDraft(cfg, weights, threads=threads, ring=ring))
+        except BaseException as e:  # noqa: BLE001 - handed to whoever takes it
+            built.set_exception(e)
+
+    threading.Thread(target=build, name="spel-prepare-draft", daemon=True).start()
+    return {(threads, ring): built}
+
+
 def warm_up(loaded, mode: str = "spec") -> None:
     """Pay the one-time costs of the first call in `mode` now (one of PREPARE, which
-    ``load`` checks; see the module)."""
+    ``load`` checks; see the module); the C draft unless ``start_draft`` already has."""
     if mode == "none" or loaded.pipeline is not None:
         return
     cfg = loaded.cfg
     k = cfg.spec_k
-    if mode == "spec" and clib.available() and cfg.n_draft > 0 and loaded.weights:
-        threads, ahead = c_draft_plan(None, "auto")
-        ring = c_draft_ring(k, ahead)
-        built: Future = Future()
-
-        def build():
-            try:
-                from ..native.cdraft import CDraft
-                built.set_result(CDraft(cfg, loaded.weights, threads=threads, ring=ring))
-            except BaseException as e:  # noqa: BLE001 - handed to whoever takes it
-                built.set_exception(e)
-
-        loaded.prepared[(threads, ring)] = built
-        threading.Thread(target=build, name="spel-prepare-draft", daemon=True).start()
+    if not loaded.prepared:
+        loaded.prepared.update(start_draft(cfg, loaded.weights, mode))
     if loaded.device != "cpu":     # a GPU's layouts are views MLX builds in the pass
         return
     model = loaded.model
