@@ -153,3 +153,25 @@ def test_back_soon_holds_until_released_or_its_time(monkeypatch):
             huge_pages.wait_soon()
     finally:
         huge_pages.release_soon()
+
+
+def test_only_the_runs_of_arrays_are_advised_not_the_memory_between(monkeypatch):
+    """Arrays a few KB apart form one run; a run's whole 2 MB pages are advised and
+    collapsed, and the memory between two runs (where malloc puts later buffers) is not:
+    advised, its first writes would fault 2 MB pages."""
+    M = huge_pages.HUGE
+    base = 64 * M
+    a = (base + 100, 3 * M)                       # two arrays 4 KB apart: one run
+    b = (base + 100 + 3 * M + 4096, 2 * M)
+    far = (base + 20 * M + 5, 4 * M)              # another run, 15 MB further on
+    assert huge_pages._runs([far, a, b]) == [(a[0], b[0] + b[1]), (far[0], far[0] + far[1])]
+    calls = []
+    monkeypatch.setattr(huge_pages, "_libc_madvise", lambda: (lambda p, n, advice: calls.append((p, n, advice)) or 0))
+    monkeypatch.setattr(huge_pages, "_writable_regions", lambda: [(base, base + 40 * M)])
+    done = huge_pages._back_extents([a, b, far])
+    advised = [(p, p + n) for p, n, advice in calls if advice == huge_pages.MADV_HUGEPAGE]
+    assert advised == [(base + M, base + 5 * M), (base + 21 * M, base + 24 * M)]
+    collapsed = [p for p, n, advice in calls if advice == huge_pages.MADV_COLLAPSE]
+    assert collapsed == [base + i * M for i in (1, 2, 3, 4, 21, 22, 23)] and done == 7 * M
+    gap = (base + 5 * M, base + 21 * M)
+    assert not any(lo < gap[1] and hi > gap[0] for lo, hi in advised)

@@ -101,8 +101,7 @@ def _extent(a):
 
 def back(arrays) -> int:
     """Map the memory under `arrays` (evaluated CPU arrays) with 2 MB pages where the
-    kernel can: per mapping, the whole 2 MB pages between the first and the last of
-    them.  Returns the bytes now mapped that way (0 where `state()` is off).  Arrays
+    kernel can: the whole 2 MB pages inside each run of them (`_back_extents`).  Returns the bytes now mapped that way (0 where `state()` is off).  Arrays
     handed to `back_soon` are left to it."""
     return _back_extents([e for _, e in _not_handed(arrays)])
 
@@ -169,20 +168,34 @@ def wait_soon() -> None:
         _work.join()
 
 
+def _runs(extents, gap: int = 64 << 10) -> list:
+    """The extents merged into runs where less than `gap` bytes lie between them (the
+    small arrays a load makes one after another), as (start, end)."""
+    runs = []
+    for p, n in sorted(extents):
+        if runs and p - runs[-1][1] < gap:
+            runs[-1][1] = max(runs[-1][1], p + n)
+        else:
+            runs.append([p, p + n])
+    return [(a, b) for a, b in runs]
+
+
 def _back_extents(extents) -> int:
+    """The whole 2 MB pages inside each run of the arrays (`_runs`), advised huge and
+    collapsed.  Memory between runs is left alone: advised, the buffers malloc later
+    puts there would be faulted on 2 MB pages, which on a VM stalls their first writes."""
     if not extents:
         return 0
     madvise, done = _libc_madvise(), 0
+    runs = _runs(extents)
     for lo, hi in _writable_regions():   # an array may span several (madvise splits them)
-        parts = [(max(p, lo), min(p + n, hi)) for p, n in extents if p < hi and p + n > lo]
-        if not parts:
-            continue
-        start = max(min(a for a, _ in parts) // HUGE * HUGE, -(-lo // HUGE) * HUGE)
-        end = min(-(-max(b for _, b in parts) // HUGE) * HUGE, hi // HUGE * HUGE)
-        if end <= start:
-            continue
-        madvise(start, end - start, MADV_HUGEPAGE)
-        for page in range(start, end, HUGE):   # one by one: a page that cannot (shared, pinned) stops none other
-            if madvise(page, HUGE, MADV_COLLAPSE) == 0:
-                done += HUGE
+        for a, b in runs:
+            start = max(-(-max(a, lo) // HUGE) * HUGE, 0)
+            end = min(b, hi) // HUGE * HUGE
+            if end <= start:
+                continue
+            madvise(start, end - start, MADV_HUGEPAGE)
+            for page in range(start, end, HUGE):   # one by one: a page that cannot (shared, pinned) stops none other
+                if madvise(page, HUGE, MADV_COLLAPSE) == 0:
+                    done += HUGE
     return done
