@@ -365,6 +365,44 @@ def test_the_c_draft_follows_the_governors_ar_rounds(monkeypatch, params):
     assert worst[16] <= 2 * 16 + 1 < worst[10 ** 9]
 
 
+def test_the_c_draft_follows_only_near_the_next_probe(monkeypatch):
+    """During a long back-off the draft does not follow the AR rounds until the next probe
+    is at most 2 * FOLLOW_EVERY tokens away (its work on the other core slows the target's
+    steps); it then catches up on the whole stretch in the background, so the probe still
+    finds it at most about FOLLOW_EVERY behind.  The text is ar's."""
+    from spel_mlx.decoding import loop
+    from spel_mlx.decoding.factory import make_proposer, DraftOptions
+    from spel_mlx.native import clib
+    if not clib.available():
+        pytest.skip("C draft unavailable")
+    cfg = CFG.replace(max_seq=400)
+    model = SpelModel.from_weights(cfg, init_weights(cfg, seed=11))
+    p = prompt(9, 8)
+    ref = decode(model, False, p, 300)[0]
+    draft = make_proposer("c", model, init_weights(cfg, seed=12), k=4, options=DraftOptions(threads=1, ahead=True))
+    dec = SpeculativeDecoder(model, draft, "spec", k=4,
+                             options=DecodeOptions(governor=GovernorConfig(shadow=False, backoff=128,
+                                                                           backoff_growth=1)))
+    due, behind = [], []
+    plain_sync, plain_catch_up = type(draft).start_sync, loop.SpeculativeDecoder._catch_up
+
+    def start_sync(self, history):
+        if getattr(dec, "call", None) is not None and len(history) > len(p):
+            due.append(dec.call.gov.ar_rounds_due())
+        return plain_sync(self, history)
+
+    def catch_up(self, history):
+        behind.append(len(history) - self.proposer.pos)
+        return plain_catch_up(self, history)
+    monkeypatch.setattr(type(draft), "start_sync", start_sync)
+    monkeypatch.setattr(loop.SpeculativeDecoder, "_catch_up", catch_up)
+    assert dec.generate(p, 300) == ref
+    assert dec.stats.governor_trips >= 1 and due and behind
+    assert max(due) <= 2 * loop.FOLLOW_EVERY
+    assert max(behind) <= 2 * loop.FOLLOW_EVERY + 1
+    draft.close()
+
+
 # --- the governor's shadow probes ------------------------------------------------------
 
 @pytest.mark.parametrize("params", ["greedy", "sampled"])

@@ -37,6 +37,7 @@ MAX_K = 16
 # usual end less a build, so that building the next verification from it ends in time)
 STILL_RUNNING_S = 50e-6
 FOLLOW_EVERY = 16   # tokens: the draft catches up on the governor's AR rounds in the background
+                    # (over the last 2 * FOLLOW_EVERY before the next probe)
 
 
 class DecodeError(ValueError):
@@ -307,7 +308,8 @@ class SpeculativeDecoder:
                     return pending, True
                 if probe is not None and gov.probing:
                     probe.after_round(history, pending)
-                elif follow and len(history) % FOLLOW_EVERY == 0:
+                elif follow and len(history) % FOLLOW_EVERY == 0 and gov.ar_rounds_due() <= 2 * FOLLOW_EVERY:
+                    # only near the next probe: the draft's work on the other core slows this one's steps
                     self.proposer.start_sync(history)
                 if gov is not None and gov.drafting:
                     return pending, False
