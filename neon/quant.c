@@ -55,7 +55,25 @@ float spel_quantize_activation(const float *x, int64_t n, int8_t *xq) {
     return s;
 }
 
-void spel_quantize_ternary(const float *w, int64_t rows, int64_t cols, int8_t *t, float *s) {
+/* One row's ternary codes at scale s (s != 0) as floats in {-1, 0, 1}, in a loop of their
+ * own so the compiler can vectorize it: each division is the same IEEE division whatever
+ * the vector width, and rint_even / code_i8 are written as selects.  +0.0 for the zeros,
+ * as the scalar code_i8 gives. */
+#if defined(__GNUC__) && !defined(__clang__)
+__attribute__((optimize("no-trapping-math")))   /* lets GCC compute both sides of the selects */
+#endif
+static void ternary_codes(const float *w, int64_t n, float s, float *q) {
+    const float c = 0x1.8p23f;
+    for (int64_t j = 0; j < n; j++) {
+        float v = w[j] / s;
+        float r = fabsf(v) < 0x1p22f ? (v + c) - c : v;
+        float k = r > 1.0f ? 1.0f : (r < -1.0f ? -1.0f : r);
+        q[j] = k == k ? k + 0.0f : 0.0f;
+    }
+}
+
+/* The scalar reference, one row at a time (and the fallback without memory). */
+static void quantize_ternary_rows(const float *w, int64_t rows, int64_t cols, int8_t *t, float *s) {
     for (int64_t r = 0; r < rows; r++) {
         const float *wr = w + r * cols;
         int8_t *tr = t + r * cols;
@@ -76,6 +94,53 @@ void spel_quantize_ternary(const float *w, int64_t rows, int64_t cols, int8_t *t
         }
         s[r] = sr;
     }
+}
+
+/* Four rows at once, the same arithmetic: every row's sums still run left to right in
+ * double (four independent chains instead of one, so the adds' latency overlaps), and its
+ * codes come from ternary_codes.  Bit for bit the scalar reference (tests). */
+static void quantize_ternary_4(const float *w, int64_t cols, int8_t *t, float *s, float *q) {
+    const float *w0 = w, *w1 = w + cols, *w2 = w + 2 * cols, *w3 = w + 3 * cols;
+    float *q0 = q, *q1 = q + cols, *q2 = q + 2 * cols, *q3 = q + 3 * cols;
+    double a0 = 0.0, a1 = 0.0, a2 = 0.0, a3 = 0.0;
+    for (int64_t j = 0; j < cols; j++) {
+        a0 += (double)fabsf(w0[j]); a1 += (double)fabsf(w1[j]);
+        a2 += (double)fabsf(w2[j]); a3 += (double)fabsf(w3[j]);
+    }
+    float sr[4] = {(float)(a0 / (double)cols), (float)(a1 / (double)cols),
+                   (float)(a2 / (double)cols), (float)(a3 / (double)cols)};
+    for (int it = 0; it <= 3; it++) {
+        for (int i = 0; i < 4; i++) {
+            if (sr[i] != 0.0f) ternary_codes(w + i * cols, cols, sr[i], q + i * cols);
+            else memset(q + i * cols, 0, sizeof(float) * (size_t)cols);
+        }
+        if (it == 3) break;
+        double p0 = 0.0, p1 = 0.0, p2 = 0.0, p3 = 0.0;
+        int64_t n0 = 0, n1 = 0, n2 = 0, n3 = 0;
+        for (int64_t j = 0; j < cols; j++) {
+            p0 += (double)(w0[j] * q0[j]); n0 += q0[j] != 0.0f;
+            p1 += (double)(w1[j] * q1[j]); n1 += q1[j] != 0.0f;
+            p2 += (double)(w2[j] * q2[j]); n2 += q2[j] != 0.0f;
+            p3 += (double)(w3[j] * q3[j]); n3 += q3[j] != 0.0f;
+        }
+        if (n0 > 0) sr[0] = (float)(p0 / (double)n0);
+        if (n1 > 0) sr[1] = (float)(p1 / (double)n1);
+        if (n2 > 0) sr[2] = (float)(p2 / (double)n2);
+        if (n3 > 0) sr[3] = (float)(p3 / (double)n3);
+    }
+    for (int i = 0; i < 4; i++) {
+        for (int64_t j = 0; j < cols; j++) t[i * cols + j] = (int8_t)q[i * cols + j];
+        s[i] = sr[i];
+    }
+}
+
+void spel_quantize_ternary(const float *w, int64_t rows, int64_t cols, int8_t *t, float *s) {
+    int64_t r = 0;
+    float *q = rows >= 4 && cols > 0 ? malloc(sizeof(float) * 4 * (size_t)cols) : NULL;
+    if (q)
+        for (; r + 4 <= rows; r += 4) quantize_ternary_4(w + r * cols, cols, t + r * cols, s + r, q);
+    free(q);
+    quantize_ternary_rows(w + r * cols, rows - r, cols, t + r * cols, s + r);
 }
 
 int64_t spel_ternary_row_bytes(int64_t cols) { return spel_pad_cols(cols) / 4; }
@@ -158,16 +223,18 @@ int spel_qmat_init(spel_qmat *m, const float *w, int64_t rows, int64_t cols, int
     m->stride = ternary ? spel_ternary_row_bytes(cols) : spel_pad_cols(cols);
     m->data = alloc64((size_t)(m->stride * rows));
     m->scale = alloc64((size_t)rows * sizeof(float));
-    int8_t *tmp = malloc((size_t)(cols ? cols : 1));
+    const int64_t group = ternary ? 4 : 1;   /* ternary rows are quantized four at a time */
+    int8_t *tmp = malloc((size_t)(cols ? group * cols : 1));
     if (!m->data || !m->scale || !tmp) {
         free(tmp);
         spel_qmat_release(m);
         return -1;
     }
-    for (int64_t r = 0; r < rows; r++) {
+    for (int64_t r = 0; r < rows; r += ternary ? group : 1) {
         if (ternary) {
-            spel_quantize_ternary(w + r * cols, 1, cols, tmp, &m->scale[r]);
-            spel_pack_ternary(tmp, 1, cols, m->data + r * m->stride);
+            const int64_t n = rows - r < group ? rows - r : group;
+            spel_quantize_ternary(w + r * cols, n, cols, tmp, &m->scale[r]);
+            for (int64_t i = 0; i < n; i++) spel_pack_ternary(tmp + i * cols, 1, cols, m->data + (r + i) * m->stride);
         } else {
             int8_t *dst = (int8_t *)m->data + r * m->stride;
             spel_quantize_q8(w + r * cols, 1, cols, dst, &m->scale[r]);

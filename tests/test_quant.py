@@ -47,6 +47,24 @@ def test_c_quantizers_bit_exact(name, w):
         assert np.array_equal(xq, xqc) and _bits(sx) == _bits(sxc)
 
 
+def test_c_ternary_four_rows_at_a_time_equal_one_at_a_time():
+    """spel_quantize_ternary takes four rows at once (vectorized codes, four sum chains):
+    every row's codes and scale are those of the row quantized alone, the scalar
+    reference, bit for bit, also for rows the numpy reference does not define (a NaN,
+    values whose quotient overflows) and for the rows left over after the groups of four."""
+    rng = np.random.default_rng(7)
+    w = (rng.standard_normal((11, 203)) * 0.05).astype(np.float32)
+    w[1, 4] = np.nan
+    w[2, :] = 0.0
+    w[3, 0] = 3e38                       # a huge value: the others' quotients underflow, its own is large
+    w[6, :] *= 1e-38                     # float32 subnormals
+    w[9, 7] = -np.inf
+    tc, sc = draft.c_quantize_ternary(w)
+    for r in range(w.shape[0]):
+        t1, s1 = draft.c_quantize_ternary(w[r:r + 1])
+        assert np.array_equal(tc[r:r + 1], t1) and np.array_equal(_bits(sc[r:r + 1]), _bits(s1)), r
+
+
 def test_q8_properties():
     rng = np.random.default_rng(1)
     w = rng.standard_normal((20, 77)).astype(np.float32)
