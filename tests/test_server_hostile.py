@@ -208,3 +208,24 @@ def test_ctrl_c_exits_cleanly(tmp_path):
     assert srv.stop() == 130
     log = srv.log()
     assert "Application shutdown complete" in log and "Traceback" not in log and "KeyboardInterrupt" not in log
+
+
+def test_a_ctrl_c_that_asyncio_swallows_still_exits_130(monkeypatch):
+    """uvicorn raises the caught SIGINT again once it has shut down, but asyncio's runner
+    may take it as a cancellation of a serve() already returning, so nothing is raised:
+    the exit status still says Ctrl-C (130), and a plain return without a signal is 0."""
+    require_or_skip(server_packages_missing() is None, server_packages_missing(), env="SPEL_REQUIRE_SERVER")
+    import types
+
+    import uvicorn
+
+    from spel_mlx.server import serve
+    app = types.SimpleNamespace(state=types.SimpleNamespace(worker=types.SimpleNamespace(begin_shutdown=lambda: None)))
+
+    def swallowed(self, sockets=None):
+        self.handle_exit(signal.SIGINT, None)      # the signal came; run() returns anyway
+
+    monkeypatch.setattr(uvicorn.Server, "run", swallowed)
+    assert serve.run(app, "127.0.0.1", 0, "warning") == 130
+    monkeypatch.setattr(uvicorn.Server, "run", lambda self, sockets=None: None)
+    assert serve.run(app, "127.0.0.1", 0, "warning") == 0

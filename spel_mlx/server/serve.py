@@ -9,6 +9,7 @@ by themselves, well inside the grace period."""
 from __future__ import annotations
 
 import asyncio
+import signal
 
 import uvicorn
 
@@ -25,9 +26,12 @@ class Server(uvicorn.Server):
         self.loop = asyncio.get_running_loop()
         await super().serve(sockets)
 
+    interrupted = False   # a Ctrl-C (SIGINT) stopped it
+
     def handle_exit(self, sig, frame):
         # a signal handler: it may interrupt the loop's thread anywhere, so the worker
         # (whose queue takes locks) is told from the loop, not from here
+        self.interrupted = self.interrupted or sig == signal.SIGINT
         if not self.should_exit and self.loop is not None:
             self.loop.call_soon_threadsafe(self.on_exit)
         super().handle_exit(sig, frame)
@@ -36,8 +40,11 @@ class Server(uvicorn.Server):
 def run(app, host: str, port: int, log_level: str) -> int:
     """Serve until a signal; the exit status (130 after Ctrl-C)."""
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=GRACE_S)
+    server = Server(config, on_exit=app.state.worker.begin_shutdown)
     try:
-        Server(config, on_exit=app.state.worker.begin_shutdown).run()
+        server.run()
     except KeyboardInterrupt:   # uvicorn raises the Ctrl-C again once it has shut down cleanly
         return 130
-    return 0
+    # ... but asyncio's runner may take that second SIGINT as a cancellation of a serve()
+    # that is already returning, and then nothing is raised: the status says it anyway
+    return 130 if server.interrupted else 0
