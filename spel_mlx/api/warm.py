@@ -1,11 +1,11 @@
 """One-time costs paid at load rather than inside the first call (docs/never_slower.md).
 
-``warm_up(loaded, "spec")``, what ``load(prepare="spec")`` does, builds the default C
-draft on another thread (its C code runs without the GIL; ``load`` starts it with
-``start_draft`` before it reads the target's weights) while this thread builds the
-target's passes (or their weight layouts) for its step and its verification; their
-mapping onto huge pages runs on a third thread, which the first call does not wait for
-(and which waits for the first call's first token, or HOLD_S, before it starts).
+``load(prepare="spec")`` builds the default C draft on another thread (``start_draft``,
+called once the checkpoint is open; its C code runs without the GIL) while this thread
+reads the target's weights and then, in ``warm_up``, builds the target's passes (or
+their weight layouts) for its step and its verification; their mapping onto huge pages
+runs on a third thread, which the first call does not wait for (and which waits for the
+first call's first token, or HOLD_S, before it starts).
 ``"ar"`` builds the step's only.  The first call takes the prepared draft (``take_draft``)
 instead of building one; the text is the same either way (a prepared draft is an
 ordinary one, built earlier).
@@ -58,14 +58,11 @@ def start_draft(cfg, weights, mode: str = "spec") -> dict:
 
 
 def warm_up(loaded, mode: str = "spec") -> None:
-    """Pay the one-time costs of the first call in `mode` now (one of PREPARE, which
-    ``load`` checks; see the module); the C draft unless ``start_draft`` already has."""
+    """Pay the target's one-time costs of the first call in `mode` now (one of PREPARE,
+    which ``load`` checks; the C draft is ``start_draft``'s; see the module)."""
     if mode == "none" or loaded.pipeline is not None:
         return
-    cfg = loaded.cfg
-    k = cfg.spec_k
-    if not loaded.prepared:
-        loaded.prepared.update(start_draft(cfg, loaded.weights, mode))
+    k = loaded.cfg.spec_k
     if loaded.device != "cpu":     # a GPU's layouts are views MLX builds in the pass
         return
     model = loaded.model

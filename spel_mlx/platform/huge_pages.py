@@ -101,8 +101,9 @@ def _extent(a):
 
 def back(arrays) -> int:
     """Map the memory under `arrays` (evaluated CPU arrays) with 2 MB pages where the
-    kernel can: the whole 2 MB pages inside each run of them (`_back_extents`).  Returns the bytes now mapped that way (0 where `state()` is off).  Arrays
-    handed to `back_soon` are left to it."""
+    kernel can: the whole 2 MB pages inside each run of them (`_back_extents`).
+    Returns the bytes now mapped that way (0 where `state()` is off).  Arrays handed
+    to `back_soon` are left to it."""
     return _back_extents([e for _, e in _not_handed(arrays)])
 
 
@@ -190,7 +191,7 @@ def _back_extents(extents) -> int:
     runs = _runs(extents)
     for lo, hi in _writable_regions():   # an array may span several (madvise splits them)
         for a, b in runs:
-            start = max(-(-max(a, lo) // HUGE) * HUGE, 0)
+            start = -(-max(a, lo) // HUGE) * HUGE
             end = min(b, hi) // HUGE * HUGE
             if end <= start:
                 continue

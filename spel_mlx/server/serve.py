@@ -21,12 +21,11 @@ class Server(uvicorn.Server):
         super().__init__(config)
         self.on_exit = on_exit
         self.loop = None
+        self.interrupted = False   # a Ctrl-C (SIGINT) stopped it
 
     async def serve(self, sockets=None):
         self.loop = asyncio.get_running_loop()
         await super().serve(sockets)
-
-    interrupted = False   # a Ctrl-C (SIGINT) stopped it
 
     def handle_exit(self, sig, frame):
         # a signal handler: it may interrupt the loop's thread anywhere, so the worker
