@@ -139,8 +139,11 @@ def main(argv=None) -> int:
         if llama is not None:
             peers.greedy_decode_rate(llama, prompt, 8)
         outputs = {}
+        labels = list(decoders)
         for rep in range(a.repeats):
-            for label, (dec, _, sampled) in decoders.items():
+            # each repeat starts one row later: a fixed order ran the first row ~3% slower
+            for label in labels[rep % len(labels):] + labels[:rep % len(labels)]:
+                dec, _, sampled = decoders[label]
                 if sampled:
                     dec.params = replace(dec.params, seed=rep + 1)
                 out = dec.generate(prompt, a.gen)

@@ -66,6 +66,7 @@ struct spel_draft {
         pthread_mutex_t mu;
         pthread_cond_t cv;
         int started, busy, ready, quit, rc, k, start, guess, prefill;
+        int idle;     /* the request runs at SCHED_IDLE throughout (else normal once started) */
         int cancel;   /* spel_draft_cancel: stop after the forward in progress (atomic) */
         int32_t pending, *out, *tokens;
         int64_t n_tokens;

@@ -93,10 +93,15 @@ int spel_draft_propose_at(spel_draft *d, int32_t pending, int k, int start, int 
  * (+1 with guess) tokens.  In between, every other call on d fails ("wait first"). */
 int spel_draft_propose_at_async(spel_draft *d, int32_t pending, int k, int start, int guess);
 /* feed and commit n tokens (from a committed state; the state spel_draft_forward and
- * spel_draft_commit leave over the same tokens, bit for bit) on the draft's own thread,
- * at normal priority: a prompt's prefill beside the target's.  The tokens are copied;
- * spel_draft_wait (out_tokens unused) gives its rc. */
-int spel_draft_prefill_async(spel_draft *d, const int32_t *tokens, int64_t n);
+ * spel_draft_commit leave over the same tokens, bit for bit) on the draft's own thread:
+ * at normal priority (a prompt's prefill beside the target's), or with `background`
+ * at the lowest (a catch-up while the target decodes; a wait lifts it).  The tokens
+ * are copied; spel_draft_wait (out_tokens unused) gives its rc. */
+int spel_draft_prefill_async(spel_draft *d, const int32_t *tokens, int64_t n, int background);
+/* that catch-up over n tokens, then spel_draft_propose_at(pending, k, 0, no guess), on
+ * the draft's own thread at the lowest priority: an unverified proposal made off the
+ * caller's path.  spel_draft_wait gives its rc and k tokens; the batch stays uncommitted. */
+int spel_draft_shadow_async(spel_draft *d, const int32_t *tokens, int64_t n, int32_t pending, int k);
 int spel_draft_wait(spel_draft *d, int32_t *out_tokens);
 /* spel_draft_wait for at most timeout_us microseconds: SPEL_TIMEOUT when the request is
  * still running (it stays out: wait again later) */

@@ -335,6 +335,41 @@ def test_timed_wait_leaves_a_running_request_out(default_weights):
         assert d.wait(timeout=30.0) == ref.propose_at(5, 3, 0, guess=True)
 
 
+@pytest.mark.parametrize("sampled", [False, True])
+def test_shadow_async_is_a_catch_up_then_a_proposal(small_weights, sampled):
+    """shadow_async on the draft's native thread (catch-up, then an unverified proposal)
+    gives the tokens, and leaves the state, of prefill then propose_at(pending, k, 0);
+    a background prefill leaves the state of a plain one.  Bad requests are refused at once."""
+    toks = golden_tokens(SMALL, 30, seed=8)
+    with draft.CDraft(SMALL, small_weights, ring=5) as d, draft.CDraft(SMALL, small_weights, ring=5) as ref:
+        for x in (d, ref):
+            if sampled:
+                x.set_sampling(0.8, 0.95, 1.1, 0, 8, 77)
+                x.set_context(toks[-8:], 30)
+        d.prefill_async(toks[:20], background=True)
+        ref.prefill_async(toks[:20])
+        assert d.wait() == ref.wait() == []
+        d.shadow_async(toks[20:], 11, 3)
+        with pytest.raises(ValueError, match="wait for it first"):
+            d.forward([1])
+        got = d.wait()
+        ref.prefill_async(toks[20:])
+        ref.wait()
+        assert got == ref.propose_at(11, 3, 0) and len(got) == 3
+        assert d.pos == ref.pos == 30
+        d.commit(1)
+        ref.commit(1)
+        assert np.array_equal(d.forward([3, 4]), ref.forward([3, 4]))
+        d.commit(2)
+        with pytest.raises(ValueError, match="out of range"):
+            d.shadow_async([1], SMALL.vocab, 3)
+        with pytest.raises(ValueError, match="max_seq"):
+            d.shadow_async([1] * (SMALL.max_seq - 33 - 2), 5, 3)   # the catch-up fits, the proposal not
+        with pytest.raises(ValueError, match="ring"):
+            d.shadow_async([], 5, 5)
+        assert d.pos == 33
+
+
 def test_reset_reproduces(small_weights):
     toks = golden_tokens(SMALL, 6, seed=9)
     with draft.CDraft(SMALL, small_weights) as d:

@@ -386,10 +386,10 @@ def test_the_c_draft_follows_only_near_the_next_probe(monkeypatch):
     due, behind = [], []
     plain_sync, plain_catch_up = type(draft).start_sync, loop.SpeculativeDecoder._catch_up
 
-    def start_sync(self, history):
+    def start_sync(self, history, background=False):
         if getattr(dec, "call", None) is not None and len(history) > len(p):
             due.append(dec.call.gov.ar_rounds_due())
-        return plain_sync(self, history)
+        return plain_sync(self, history, background)
 
     def catch_up(self, history):
         behind.append(len(history) - self.proposer.pos)
@@ -478,5 +478,67 @@ def test_a_useless_c_draft_is_never_verified(params):
             assert st.extra["shadow_accepted"] < st.extra["shadow_proposed"] / 4
         else:
             assert st.spec_rounds > 0 and "shadow_probes" not in st.extra
-        assert not draft._prefilling
+        assert not draft._prefilling and not draft._shadowing
         draft.close()
+
+
+@pytest.mark.parametrize("params", ["greedy", "sampled"])
+def test_a_c_draft_shadow_probe_runs_on_its_thread_and_counts_what_a_verification_would(monkeypatch, params):
+    """The C draft's shadow proposals run on its own thread (``shadow_start``), the
+    synchronous ``shadow`` never: each count the governor hears is the prefix of that
+    proposal which the emitted text matches where it was started, whenever it arrived."""
+    from spel_mlx.decoding.factory import make_proposer, DraftOptions
+    from spel_mlx.decoding.c_proposer import CDraftProposer
+    from spel_mlx.decoding.governor import CostGovernor
+    from spel_mlx.native import clib
+    if not clib.available():
+        pytest.skip("C draft unavailable")
+    started, taken, counts = [], [], []
+    plain_start, plain_take, plain_round = CDraftProposer.shadow_start, CDraftProposer.shadow_take, \
+        CostGovernor.shadow_round
+
+    def shadow_start(self, history, pending, k, params, seed):
+        ok = plain_start(self, history, pending, k, params, seed)
+        if ok:
+            started.append(len(dec.output))
+        return ok
+
+    def shadow_take(self):
+        out = plain_take(self)
+        if out is not None:
+            taken.append(out)
+        return out
+
+    def shadow(self, *a):
+        raise AssertionError("a synchronous shadow proposal")
+
+    def shadow_round(self, accepted, proposed):
+        counts.append(accepted)
+        return plain_round(self, accepted, proposed)
+    monkeypatch.setattr(CDraftProposer, "shadow_start", shadow_start)
+    monkeypatch.setattr(CDraftProposer, "shadow_take", shadow_take)
+    monkeypatch.setattr(CDraftProposer, "shadow", shadow)
+    monkeypatch.setattr(CostGovernor, "shadow_round", shadow_round)
+    cfg = CFG.replace(max_seq=400)
+    w = init_weights(cfg, seed=11)
+    for j, src in enumerate(cfg.draft_map):     # draft layers copied from the target's: it agrees at times
+        for name in [n for n in w if n.startswith(f"layers.{src}.")]:
+            w["draft." + name.replace(f"layers.{src}.", f"layers.{j}.", 1)] = w[name].copy()
+    model = SpelModel.from_weights(cfg, w)
+    sp = PARAMS[params] if params == "greedy" else SamplingParams(temperature=0.8, top_p=0.95, seed=5)
+    p = prompt(9, 8)
+    ref = decode(model, False, p, 250, params=sp)[0]
+    draft = make_proposer("c", model, w, k=4, options=DraftOptions(threads=1, ahead=True))
+    dec = SpeculativeDecoder(model, draft, "spec", k=4, params=sp,      # every probe fails: they recur
+                             options=DecodeOptions(governor=GovernorConfig(prior_cost=100.0, backoff_growth=1)))
+    out = dec.generate(p, 250)
+    assert out == ref and dec.stats.spec_rounds == 0
+    assert len(counts) >= 8 and len(started) >= len(counts) and len(taken) >= len(counts)
+    assert 0 < sum(counts) < 4 * len(counts)        # neither none nor all agree
+    for at, proposal, n in zip(started, taken, counts):
+        match = 0
+        while match < len(proposal) and out[at + match] == proposal[match]:
+            match += 1
+        assert n == match, (at, proposal, out[at:at + 4])
+    assert not draft._prefilling and not draft._shadowing
+    draft.close()

@@ -92,7 +92,7 @@ static int random_call(spel_draft *d, const shape *s, rng *r, int *async_out) {
     spel_sampling smp = {rint_to(r, 4) ? 0.8 : (rint_to(r, 2) ? 0.0 : NAN), rint_to(r, 2) ? 1.0 : 0.9, 1.1,
                          rint_to(r, 3), 16, rnd(r)};
     double *q = malloc(sizeof(double) * (size_t)s->V);
-    switch (rint_to(r, 14)) {
+    switch (rint_to(r, 15)) {
     case 0: rc = spel_draft_forward_from(d, toks, m, start, rint_to(r, 2) ? logits : NULL); break;
     case 1: rc = spel_draft_propose_at(d, toks[0], k, start, rint_to(r, 2), out); break;
     case 2: rc = spel_draft_propose_at_async(d, toks[0], k, 0, rint_to(r, 2)); if (!rc) *async_out = 1; break;
@@ -105,7 +105,8 @@ static int random_call(spel_draft *d, const shape *s, rng *r, int *async_out) {
     case 10: rc = spel_draft_set_sampling(d, rint_to(r, 4) ? &smp : NULL, rint_to(r, 2)); break;
     case 11: rc = spel_draft_set_context(d, toks, rint_to(r, 9), rint_to(r, 100)); break;
     case 12: rc = spel_draft_probs(d, rint_to(r, s->ring + 1) - 1, q); break;
-    case 13: rc = spel_draft_prefill_async(d, toks, rint_to(r, 9)); if (!rc) *async_out = 1; break;
+    case 13: rc = spel_draft_prefill_async(d, toks, rint_to(r, 9), rint_to(r, 2)); if (!rc) *async_out = 1; break;
+    case 14: rc = spel_draft_shadow_async(d, toks, rint_to(r, 9), toks[0], k); if (!rc) *async_out = 1; break;
     default: rc = rint_to(r, 4) == 0 ? spel_draft_reset(d) : spel_draft_step(d, toks[1], logits); break;
     }
     free(q);

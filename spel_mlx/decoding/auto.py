@@ -52,8 +52,8 @@ class AutoProposer(Proposer):
     def sync(self, history):
         self.fallback.sync(history)
 
-    def start_sync(self, history):
-        self.fallback.start_sync(history)
+    def start_sync(self, history, background: bool = False):
+        self.fallback.start_sync(history, background)
 
     def settle(self):
         self.fallback.settle()

@@ -33,7 +33,9 @@ class CDraftProposer(Proposer):
         self.forwards = 0
         self._base = int(cdraft.pos)
         self._sampling = None          # (params, seed) the C draft samples with, None: argmax
-        self._prefilling = False
+        self._prefilling = False       # a catch-up is out on the native thread
+        self._shadowing = 0            # ... or an unverified proposal of this many tokens
+        self._shadow_done = None       # the tokens of one that finished, not yet taken
 
     @property
     def threads(self):
@@ -41,6 +43,7 @@ class CDraftProposer(Proposer):
 
     def reset(self):
         self._finish_prefill()
+        self._shadow_done = None
         self.cdraft.reset()
         self._base = int(self.cdraft.pos)
         self.forwards = 0
@@ -56,25 +59,39 @@ class CDraftProposer(Proposer):
         if limit and self.pos == 0 and len(history) > limit and not self._prefilling:
             self._base -= len(history) - limit
 
-    def start_sync(self, history):
+    def start_sync(self, history, background: bool = False):
         """The prompt's prefill on the draft's native thread (the batches ``sync`` feeds,
-        the same state); ``sync`` waits for it.  One still running is left to finish."""
-        if self._prefilling:
-            try:
-                self.cdraft.wait(timeout=0.0)
-            except TimeoutError:
-                return
-            self._prefilling = False
+        the same state); ``sync`` waits for it.  One still running is left to finish.
+        `background`: at the lowest priority, so the target's threads never wait for it."""
+        if not self._poll():
+            return
         self._skip_far_prompt(history)
         if self.pos < len(history) and not self._prefilling:
-            self.cdraft.prefill_async(list(history[self.pos:]))
+            self.cdraft.prefill_async(list(history[self.pos:]), background)
             self.forwards += len(history) - self.pos
             self._prefilling = True
 
+    def _poll(self) -> bool:
+        """Whether the native thread is free: a finished job is taken, a running one left."""
+        if self._prefilling or self._shadowing:
+            try:
+                tokens = self.cdraft.wait(timeout=0.0)
+            except TimeoutError:
+                return False
+            self._took(tokens)
+        return True
+
+    def _took(self, tokens):
+        """The end of the native thread's job: a shadow proposal commits its `pending`."""
+        if self._shadowing:
+            self.cdraft.commit(1)
+            self._shadow_done, self._shadowing = [int(t) for t in tokens], 0
+        self._prefilling = False
+
     def _finish_prefill(self):
-        if self._prefilling:
-            self._prefilling = False
-            self.cdraft.wait()
+        """Wait for the native thread's catch-up or shadow proposal, if one is out."""
+        if self._prefilling or self._shadowing:
+            self._took(self.cdraft.wait())
 
     settle = _finish_prefill
 
@@ -131,6 +148,30 @@ class CDraftProposer(Proposer):
         self.cdraft.commit(1)
         return toks
 
+    shadows_async = True
+
+    def shadow_start(self, history, pending, k, params, seed) -> bool:
+        """``shadow`` (its catch-up included) on the native thread at the lowest
+        priority, off the critical path; False (nothing started) while the thread is still
+        busy.  ``shadow_take`` gives the tokens, the same as ``shadow``'s."""
+        if not self._poll():
+            return False
+        self._skip_far_prompt(history)
+        self._shadow_done = None
+        if self._configure(params, seed):
+            self._context(params, history, len(history))
+        behind = list(history[self.pos:])       # the catch-up runs first, in the same job
+        self.cdraft.shadow_async(behind, int(pending), k)
+        self.forwards += len(behind) + k + 1
+        self._shadowing = k
+        return True
+
+    def shadow_take(self):
+        """The tokens of the proposal ``shadow_start`` began, or None while it runs."""
+        self._poll()
+        done, self._shadow_done = self._shadow_done, None
+        return done
+
     def close(self):
         try:
             self._finish_prefill()
@@ -174,11 +215,13 @@ class CDraftAheadProposer(CDraftProposer):
         self.hits = self.misses = 0
 
     def _join(self, wanted: bool = True):
-        """The continuation's tokens (None if there is none); not `wanted`: stop it early."""
+        """The continuation's tokens (None if there is none); not `wanted`: stop it early.
+        A catch-up or shadow proposal still out is waited for."""
         if self._peeked is not None:
             ahead, self._peeked = self._peeked, None
             return ahead
         if not self._running:
+            self._finish_prefill()
             return None
         self._running = False
         if not wanted:
@@ -220,12 +263,13 @@ class CDraftAheadProposer(CDraftProposer):
             self._ready = None      # a kept continuation does not follow tokens committed without it
         super().sync(history)
 
-    def start_sync(self, history):
-        self._join()                # the native thread runs one job at a time
+    def start_sync(self, history, background: bool = False):
+        if self._running or self._peeked is not None:
+            self._join()            # the native thread runs one job at a time
         if self.pos < len(history) and self._ready is not None:
             self._ready = None      # its rows are still in the draft's batch: one token fed drops them
             super().sync(history[:self.pos + 1])
-        super().start_sync(history)
+        super().start_sync(history, background)
 
     def propose(self, history, pending, k, params, seed):
         self._join()
@@ -277,6 +321,12 @@ class CDraftAheadProposer(CDraftProposer):
         self._join()
         self._ready = None          # a kept continuation's rows are overwritten by this batch
         return super().shadow(history, pending, k, params, seed)
+
+    def shadow_start(self, history, pending, k, params, seed) -> bool:
+        if self._running or self._peeked is not None:
+            self._join()
+        self._ready = None
+        return super().shadow_start(history, pending, k, params, seed)
 
     def commit(self, n: int):
         t0 = time.perf_counter()

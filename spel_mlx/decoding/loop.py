@@ -310,7 +310,7 @@ class SpeculativeDecoder:
                     probe.after_round(history, pending)
                 elif follow and len(history) % FOLLOW_EVERY == 0 and gov.ar_rounds_due() <= 2 * FOLLOW_EVERY:
                     # only near the next probe: the draft's work on the other core slows this one's steps
-                    self.proposer.start_sync(history)
+                    self.proposer.start_sync(history, background=True)
                 if gov is not None and gov.drafting:
                     return pending, False
         finally:

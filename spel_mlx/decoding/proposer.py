@@ -41,9 +41,10 @@ class Proposer:
     def sync(self, history):
         pass
 
-    def start_sync(self, history):
+    def start_sync(self, history, background: bool = False):
         """Begin catching up on ``history`` in the background where the proposer can (the
-        C draft on its own thread, beside the target's prefill); ``sync`` finishes it."""
+        C draft on its own thread, beside the target's prefill); ``sync`` finishes it.
+        `background`: on the CPU time the target leaves (a catch-up while it decodes)."""
 
     def settle(self):
         """Wait for a catch-up begun by ``start_sync`` (the end of a call leaves none running)."""

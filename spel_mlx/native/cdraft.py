@@ -355,13 +355,24 @@ class CDraft:
                                                     int(bool(guess))))
         self._async = int(k) + (1 if guess else 0)
 
-    def prefill_async(self, tokens) -> None:
+    def prefill_async(self, tokens, background: bool = False) -> None:
         """Feed and commit ``tokens`` (from a committed state, in batches of the ring
         size: the state ``forward`` + ``commit`` leave, bit for bit) on the draft's own
-        native thread, and return at once; ``wait`` blocks until it is done."""
+        native thread, and return at once; ``wait`` blocks until it is done.
+        `background`: at the lowest priority (SCHED_IDLE) until a ``wait`` lifts it."""
         toks = self._tokens(tokens)
-        self._check(lib.spel_draft_prefill_async(self._live(), _ptr("int32_t", toks), toks.shape[0]))
+        self._check(lib.spel_draft_prefill_async(self._live(), _ptr("int32_t", toks), toks.shape[0],
+                                                 int(bool(background))))
         self._async = 0
+
+    def shadow_async(self, tokens, pending: int, k: int) -> None:
+        """Feed and commit ``tokens`` (a catch-up, as ``prefill_async``), then propose k
+        tokens from ``pending`` (``propose_at(pending, k, 0)``), on the draft's own thread at
+        the lowest priority; ``wait`` gives the k tokens.  The batch stays uncommitted."""
+        toks = self._tokens(tokens)
+        self._check(lib.spel_draft_shadow_async(self._live(), _ptr("int32_t", toks), toks.shape[0],
+                                                self._token(pending), int(k)))
+        self._async = int(k)
 
     def wait(self, timeout: float | None = None) -> list | None:
         """The tokens of the proposal started by propose_at_async, [] after prefill_async
