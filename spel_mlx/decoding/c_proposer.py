@@ -42,7 +42,7 @@ class CDraftProposer(Proposer):
         return self.cdraft.threads
 
     def reset(self):
-        self._finish_prefill()
+        self._finish_job()
         self._shadow_done = None
         self.cdraft.reset()
         self._base = int(self.cdraft.pos)
@@ -88,15 +88,15 @@ class CDraftProposer(Proposer):
             self._shadow_done, self._shadowing = [int(t) for t in tokens], 0
         self._prefilling = False
 
-    def _finish_prefill(self):
+    def _finish_job(self):
         """Wait for the native thread's catch-up or shadow proposal, if one is out."""
         if self._prefilling or self._shadowing:
             self._took(self.cdraft.wait())
 
-    settle = _finish_prefill
+    settle = _finish_job
 
     def sync(self, history):
-        self._finish_prefill()
+        self._finish_job()
         self._skip_far_prompt(history)
         while self.pos < len(history):
             chunk = list(history[self.pos:self.pos + self.ring])
@@ -174,7 +174,7 @@ class CDraftProposer(Proposer):
 
     def close(self):
         try:
-            self._finish_prefill()
+            self._finish_job()
         finally:
             self.cdraft.close()
 
@@ -221,7 +221,7 @@ class CDraftAheadProposer(CDraftProposer):
             ahead, self._peeked = self._peeked, None
             return ahead
         if not self._running:
-            self._finish_prefill()
+            self._finish_job()
             return None
         self._running = False
         if not wanted:
