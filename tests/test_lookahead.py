@@ -389,7 +389,8 @@ def test_the_c_draft_follows_only_near_the_next_probe(monkeypatch):
     def start_sync(self, history, background=False):
         if getattr(dec, "call", None) is not None and len(history) > len(p):
             due.append(dec.call.gov.ar_rounds_due())
-        return plain_sync(self, history, background)
+        plain_sync(self, history, background)
+        self.settle()       # what it follows, not when a busy machine lets its thread run
 
     def catch_up(self, history):
         behind.append(len(history) - self.proposer.pos)
@@ -404,6 +405,26 @@ def test_the_c_draft_follows_only_near_the_next_probe(monkeypatch):
 
 
 # --- the governor's shadow probes ------------------------------------------------------
+
+def agreeing_draft_model():
+    """A model whose draft layers are copies of target layers (so it agrees at times), and its weights."""
+    cfg = CFG.replace(max_seq=400)
+    w = init_weights(cfg, seed=11)
+    for j, src in enumerate(cfg.draft_map):
+        for name in [n for n in w if n.startswith(f"layers.{src}.")]:
+            w["draft." + name.replace(f"layers.{src}.", f"layers.{j}.", 1)] = w[name].copy()
+    return SpelModel.from_weights(cfg, w), w
+
+
+def assert_counts_match(out, probes, counts):
+    """Each count the governor heard is the prefix of its probe's proposal that the text
+    matches where the probe started (`probes`: (output index, proposal) pairs)."""
+    for (at, proposal), n in zip(probes, counts):
+        match = 0
+        while match < len(proposal) and out[at + match] == proposal[match]:
+            match += 1
+        assert n == match, (at, proposal, out[at:at + 4])
+
 
 @pytest.mark.parametrize("params", ["greedy", "sampled"])
 def test_a_shadow_probes_acceptance_is_what_a_verification_would_accept(monkeypatch, params):
@@ -426,12 +447,7 @@ def test_a_shadow_probes_acceptance_is_what_a_verification_would_accept(monkeypa
         return plain_round(self, accepted, proposed)
     monkeypatch.setattr(MLXProposer, "shadow", shadow)
     monkeypatch.setattr(CostGovernor, "shadow_round", shadow_round)
-    cfg = CFG.replace(max_seq=400)
-    w = init_weights(cfg, seed=11)
-    for j, src in enumerate(cfg.draft_map):     # draft layers copied from the target's: it agrees at times
-        for name in [n for n in w if n.startswith(f"layers.{src}.")]:
-            w["draft." + name.replace(f"layers.{src}.", f"layers.{j}.", 1)] = w[name].copy()
-    model = SpelModel.from_weights(cfg, w)
+    model, w = agreeing_draft_model()
     sp = PARAMS[params] if params == "greedy" else SamplingParams(temperature=0.8, top_p=0.95, seed=5)
     p = prompt(9, 8)
     ref = decode(model, False, p, 200, params=sp)[0]
@@ -441,11 +457,7 @@ def test_a_shadow_probes_acceptance_is_what_a_verification_would_accept(monkeypa
     out = dec.generate(p, 200)
     assert out == ref and dec.stats.spec_rounds == 0
     assert len(counts) >= 10 and 0 < sum(counts) < 4 * len(counts)     # neither none nor all agree
-    for (at, proposal), n in zip(shadows, counts):
-        match = 0
-        while match < len(proposal) and out[at + match] == proposal[match]:
-            match += 1
-        assert n == match, (at, proposal, out[at:at + 4])
+    assert_counts_match(out, shadows, counts)
     # and where rounds are priced cheap, the same probes let this draft draft
     dec = SpeculativeDecoder(model, MLXProposer(model, "draft", ring=5), "spec", k=4, params=sp,
                              options=DecodeOptions(governor=GovernorConfig(prior_cost=1.0)))
@@ -519,12 +531,7 @@ def test_a_c_draft_shadow_probe_runs_on_its_thread_and_counts_what_a_verificatio
     monkeypatch.setattr(CDraftProposer, "shadow_take", shadow_take)
     monkeypatch.setattr(CDraftProposer, "shadow", shadow)
     monkeypatch.setattr(CostGovernor, "shadow_round", shadow_round)
-    cfg = CFG.replace(max_seq=400)
-    w = init_weights(cfg, seed=11)
-    for j, src in enumerate(cfg.draft_map):     # draft layers copied from the target's: it agrees at times
-        for name in [n for n in w if n.startswith(f"layers.{src}.")]:
-            w["draft." + name.replace(f"layers.{src}.", f"layers.{j}.", 1)] = w[name].copy()
-    model = SpelModel.from_weights(cfg, w)
+    model, w = agreeing_draft_model()
     sp = PARAMS[params] if params == "greedy" else SamplingParams(temperature=0.8, top_p=0.95, seed=5)
     p = prompt(9, 8)
     ref = decode(model, False, p, 250, params=sp)[0]
@@ -535,10 +542,6 @@ def test_a_c_draft_shadow_probe_runs_on_its_thread_and_counts_what_a_verificatio
     assert out == ref and dec.stats.spec_rounds == 0
     assert len(counts) >= 8 and len(started) >= len(counts) and len(taken) >= len(counts)
     assert 0 < sum(counts) < 4 * len(counts)        # neither none nor all agree
-    for at, proposal, n in zip(started, taken, counts):
-        match = 0
-        while match < len(proposal) and out[at + match] == proposal[match]:
-            match += 1
-        assert n == match, (at, proposal, out[at:at + 4])
+    assert_counts_match(out, list(zip(started, taken)), counts)
     assert not draft._prefilling and not draft._shadowing
     draft.close()
