@@ -31,9 +31,7 @@ class ShadowProbe:
     def after_round(self, history, pending) -> None:
         if self.started is not None:
             t0 = time.perf_counter()
-            self.late += 1
-            if self.late > LATE_ROUNDS:
-                self.proposer.settle()
+            self._wait_if_late()
             proposal = self.proposer.shadow_take()
             self.stats.draft_s += time.perf_counter() - t0
             if proposal is None:
@@ -60,9 +58,7 @@ class ShadowProbe:
             return
         t0 = time.perf_counter()
         if self.background:
-            self.late += 1
-            if self.late > LATE_ROUNDS:     # a catch-up still out
-                self.proposer.settle()
+            self._wait_if_late()            # a catch-up still out
             if self.proposer.shadow_start(history, pending, k, self.params, self.seed):
                 self.started, self.late = len(history), 0
             self.stats.draft_s += time.perf_counter() - t0
@@ -71,6 +67,12 @@ class ShadowProbe:
         self.stats.draft_s += time.perf_counter() - t0
         if proposal:
             self.proposal, self.matched = list(proposal), 0
+
+    def _wait_if_late(self):
+        """One more round waited for the draft's thread; past LATE_ROUNDS, wait for its job."""
+        self.late += 1
+        if self.late > LATE_ROUNDS:
+            self.proposer.settle()
 
     def _match(self, token) -> bool:
         """One more emitted token against the proposal; True once the probe's round is told."""
