@@ -247,3 +247,23 @@ def test_a_pass_built_ahead_commits_kept_or_is_forgotten(model):
     assert np.array_equal(np.array(model.forward(b, st2)), want)
     with pytest.raises(StateError, match="forget"):
         st2.forget(5)
+
+
+def test_a_pass_run_directly_grows_the_caches_it_writes_past():
+    """run_pass writes the new KV rows in place (the fused CPU pass, in C++): called
+    without forward's checks on a state whose caches are full, it grows them first
+    (it once wrote past the cache's end and corrupted the heap)."""
+    from spel_mlx.model.passes import run_pass
+    cfg = ModelConfig(d_model=64, n_layers=4, n_heads=2, head_dim=32, d_ff=96, vocab=64,
+                      max_seq=512, attn_period=2, draft_map=(0, 1), spec_k=4)
+    m = SpelModel.from_weights(cfg, init_weights(cfg, seed=3))
+    st, ref = m.new_state(), m.new_state()
+    n = st.kv_capacity
+    for s in (st, ref):
+        m.prefill(toks(n), s)
+    assert st.pos == st.kv_capacity == n
+    out = run_pass(m, [5, 7], st)[0]
+    assert st.kv_capacity > n
+    np.testing.assert_array_equal(np.array(out), np.array(m.forward([5, 7], ref)))
+    with pytest.raises(StateError, match="exceed the ring"):
+        run_pass(m, toks(st.ring), st)

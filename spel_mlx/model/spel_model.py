@@ -185,7 +185,6 @@ class SpelModel(nn.Module):
         as ``forward`` in fast mode (and in strict mode where ``rows_independent``).
         `tokens`: ids, or an int32 [M] array that may not be computed yet."""
         toks = tokens if isinstance(tokens, mx.array) else _token_list(tokens, self.cfg.vocab)
-        state.check_room(len(toks))
         return run_pass(self, toks, state, dispatch=False)[0]
 
     def step_lazy(self, token: mx.array, state: DecodeState) -> mx.array:
