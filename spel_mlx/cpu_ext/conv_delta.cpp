@@ -69,26 +69,30 @@ SPEL_TARGET_AVX2 void delta_head_avx2(float* SA, float* O, int64_t M, int64_t H,
       for (int r = 0; r < 8; r++)
         prev[r] = t ? SA + (((t - 1) * H + h) * hd + i0 + r) * hd
                     : S0v->p + h * S0v->s[0] + (i0 + r) * S0v->s[1];
-      for (int r = 0; r < 8; r++) {                                     // S k, 8 rows
-        __m256 s = _mm256_setzero_ps();
-        for (int64_t j = 0; j < hd; j += 8)
-          s = _mm256_add_ps(s, _mm256_mul_ps(_mm256_loadu_ps(prev[r] + j), _mm256_loadu_ps(kt + j)));
-        acc[r] = s;
+      // the eight rows' sums advance side by side (each row's own order unchanged): eight
+      // independent add chains instead of one, so the adds' latency is hidden
+#pragma GCC unroll 8
+      for (int r = 0; r < 8; r++) acc[r] = _mm256_setzero_ps();
+      for (int64_t j = 0; j < hd; j += 8) {                             // S k, 8 rows
+        const __m256 kj = _mm256_loadu_ps(kt + j);
+#pragma GCC unroll 8
+        for (int r = 0; r < 8; r++)
+          acc[r] = _mm256_add_ps(acc[r], _mm256_mul_ps(_mm256_loadu_ps(prev[r] + j), kj));
       }
       const __m256 err = _mm256_mul_ps(b8, _mm256_sub_ps(_mm256_loadu_ps(v[t] + i0), reduce8(acc)));
       alignas(32) float e[8];
       _mm256_store_ps(e, err);
-      for (int r = 0; r < 8; r++) {                                     // S' = a S + err k^T; S' q
-        float* row = St + (i0 + r) * hd;
-        const __m256 er = _mm256_set1_ps(e[r]);
-        __m256 s = _mm256_setzero_ps();
-        for (int64_t j = 0; j < hd; j += 8) {
+#pragma GCC unroll 8
+      for (int r = 0; r < 8; r++) acc[r] = _mm256_setzero_ps();
+      for (int64_t j = 0; j < hd; j += 8) {                             // S' = a S + err k^T; S' q
+        const __m256 kj = _mm256_loadu_ps(kt + j), qj = _mm256_loadu_ps(qt + j);
+#pragma GCC unroll 8
+        for (int r = 0; r < 8; r++) {
           const __m256 x = _mm256_add_ps(_mm256_mul_ps(a8, _mm256_loadu_ps(prev[r] + j)),
-                                         _mm256_mul_ps(er, _mm256_loadu_ps(kt + j)));
-          _mm256_storeu_ps(row + j, x);
-          s = _mm256_add_ps(s, _mm256_mul_ps(x, _mm256_loadu_ps(qt + j)));
+                                         _mm256_mul_ps(_mm256_broadcast_ss(e + r), kj));
+          _mm256_storeu_ps(St + (i0 + r) * hd + j, x);
+          acc[r] = _mm256_add_ps(acc[r], _mm256_mul_ps(x, qj));
         }
-        acc[r] = s;
       }
       _mm256_storeu_ps(O + (t * H + h) * hd + i0, _mm256_mul_ps(reduce8(acc), sc8));
     }
