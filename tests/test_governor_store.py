@@ -47,6 +47,31 @@ def test_round_trip_and_what_is_ignored(store, monkeypatch):
     assert gs.recall(k) == USELESS
 
 
+ZEN3 = """processor\t: 0
+vendor_id\t: AuthenticAMD
+cpu family\t: 25
+model\t\t: 1
+model name\t: AMD EPYC
+stepping\t: 1
+cache size\t: 512 KB
+flags\t\t: fpu avx2
+
+processor\t: 1
+model\t\t: 99
+"""
+
+
+def test_the_cpu_key_tells_apart_cpus_that_share_a_model_name():
+    """Two EPYC generations both call themselves "AMD EPYC": the key holds family, model,
+    stepping and cache size (the first processor's), and the usable CPUs."""
+    zen3 = gs._cpu(ZEN3)
+    zen4 = gs._cpu(ZEN3.replace("model\t\t: 1\n", "model\t\t: 17\n").replace("512 KB", "1024 KB"))
+    assert zen3.startswith("model name=AMD EPYC, cpu family=25, model=1, stepping=1, cache size=512 KB, ")
+    assert zen3.endswith(" cpus") and "model=99" not in zen3
+    assert zen4 != zen3 and "model=17" in zen4
+    assert gs._cpu("") == gs._cpu("garbage without fields") != ""
+
+
 def test_bounded_and_off(store, monkeypatch):
     for i in range(gs.MAX_ENTRIES + 5):
         gs.remember(f"key {i}", USELESS)

@@ -37,15 +37,37 @@ def path() -> str:
     return os.path.join(base, FILE)
 
 
-def _cpu() -> str:
+# /proc/cpuinfo fields that tell CPUs apart: VMs on different EPYC generations all
+# report the model name "AMD EPYC", and their costs differ
+CPU_FIELDS = ("model name", "cpu family", "model", "stepping", "cache size")
+
+
+def _cpu(cpuinfo: str | None = None) -> str:
+    """The CPU this process runs on: its first processor's CPU_FIELDS and the CPUs it
+    may use (the drafting-ahead choices depend on a second core)."""
+    if cpuinfo is None:
+        try:
+            with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+                cpuinfo = f.read()
+        except OSError:
+            cpuinfo = ""
+    found = {}
+    for line in cpuinfo.splitlines():
+        if not line.strip():
+            if found:
+                break           # the first processor's block is enough
+            continue
+        name, _, value = line.partition(":")
+        name = name.strip()
+        if name in CPU_FIELDS and name not in found:
+            found[name] = value.strip()
     try:
-        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
+        cpus = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cpus = os.cpu_count() or 1
+    if not found:
+        return f"{platform.processor() or platform.machine()}, {cpus} cpus"
+    return ", ".join(f"{n}={found[n]}" for n in CPU_FIELDS if n in found) + f", {cpus} cpus"
 
 
 def _checkpoint(source: str) -> str:
