@@ -69,6 +69,16 @@ SPEL_TARGET_AVX2 void delta_head_avx2(float* SA, float* O, int64_t M, int64_t H,
       for (int r = 0; r < 8; r++)
         prev[r] = t ? SA + (((t - 1) * H + h) * hd + i0 + r) * hd
                     : S0v->p + h * S0v->s[0] + (i0 + r) * S0v->s[1];
+      // The next eight rows' state (read) and output lines (written) are fetched now: the
+      // state comes from memory a pass wrote long ago, and every output line is new.
+      if (i0 + 8 < hd) {
+        const int64_t step = 8 * (t ? hd : S0v->s[1]);
+        for (int r = 0; r < 8; r++)
+          for (int64_t j = 0; j < hd; j += 16) {
+            __builtin_prefetch(prev[r] + step + j, 0, 3);
+            __builtin_prefetch(St + (i0 + 8 + r) * hd + j, 1, 3);
+          }
+      }
       // the eight rows' sums advance side by side (each row's own order unchanged): eight
       // independent add chains instead of one, so the adds' latency is hidden
 #pragma GCC unroll 8
