@@ -250,9 +250,9 @@ def test_a_pass_built_ahead_commits_kept_or_is_forgotten(model):
 
 
 def test_a_pass_run_directly_grows_the_caches_it_writes_past():
-    """run_pass writes the new KV rows in place (the fused CPU pass, in C++): called
-    without forward's checks on a state whose caches are full, it grows them first
-    (it once wrote past the cache's end and corrupted the heap)."""
+    """run_pass writes the new KV rows in place with a dynamic slice_update, which does
+    not check its start: called without forward's checks on a state whose caches are
+    full, it grows them first (it once wrote past their end and corrupted the heap)."""
     from spel_mlx.model.passes import run_pass
     cfg = ModelConfig(d_model=64, n_layers=4, n_heads=2, head_dim=32, d_ff=96, vocab=64,
                       max_seq=512, attn_period=2, draft_map=(0, 1), spec_k=4)

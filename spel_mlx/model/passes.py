@@ -139,7 +139,7 @@ def run_pass(model, toks, state, dispatch: bool = True, capture: bool = False):
     ({} otherwise: the backend's plan then makes no arrays for them)."""
     inputs = toks if isinstance(toks, mx.array) else mx.array(toks, dtype=mx.int32)
     M = inputs.shape[0]
-    state.check_room(M)   # the fused pass writes KV rows in place: never past the caches
+    state.check_room(M)   # a dynamic slice_update writes the KV rows in place, unchecked
     base = state.pos + state.pending
     fn, plan = get_pass(model, state.stack, M, base + M, state.kv_dtype)
     gdn_in, gdn_rows, kv_in = [], [], []
