@@ -3,7 +3,7 @@
 each beside its goal.
 
     python bench/never_slower.py [--random FILE] [--shipped spel-21m] [--texts 3]
-                                 [--pairs 3] [--gen 300] [--ttft FILE] [--json out.json]
+                                 [--pairs 3] [--repeats 3] [--gen 300] [--ttft FILE] [--json out.json]
 
 Rows: a random-weight 21m checkpoint (alpha ~ 0; written by ``spel_mlx synth --preset
 21m --seed 0`` when --random does not exist), greedy and sampled at T 0.7, in one
@@ -42,7 +42,8 @@ def bench(script: str, args: list) -> dict:
 def in_process(ckpt, rows: str, temperature: float, a) -> tuple:
     """(per-text default / ar ratios, their median, whether every output equals ar's)."""
     got = bench("heldout_decode.py", [*(["--checkpoint", ckpt] if ckpt else []), "--texts", str(a.texts),
-                                      "--gen", str(a.gen), "--rows", rows, "--select", "default",
+                                      "--gen", str(a.gen), "--repeats", str(a.repeats), "--rows", rows,
+                                      "--select", "default",
                                       "--temperature", str(temperature), "--k", str(a.k)])
     mine = [r for r in got["rows"] if DEFAULT_ROW in r["row"]]
     ratios = [round(r["x_ar"], 3) for r in mine]
@@ -62,6 +63,8 @@ def main(argv=None) -> int:
     ap.add_argument("--shipped", default="spel-21m")
     ap.add_argument("--texts", type=int, default=3)
     ap.add_argument("--pairs", type=int, default=3)
+    ap.add_argument("--repeats", type=int, default=3,
+                    help="timed calls per text in one process (the median is taken; more narrow a row's spread)")
     ap.add_argument("--gen", type=int, default=300)
     ap.add_argument("--k", type=int, default=3, help="heldout_decode's K (the shipped config's spec_k)")
     ap.add_argument("--ttft", default="", help="a checkpoint to time the first token of (e.g. a 218m synth)")
