@@ -64,7 +64,7 @@ def main(argv=None) -> int:
     ap.add_argument("--texts", type=int, default=3)
     ap.add_argument("--pairs", type=int, default=3)
     ap.add_argument("--repeats", type=int, default=3,
-                    help="timed calls per text in one process (the median is taken; more narrow a row's spread)")
+                    help="timed calls per text in one process (their median is taken: more calls, less spread)")
     ap.add_argument("--gen", type=int, default=300)
     ap.add_argument("--k", type=int, default=3, help="heldout_decode's K (the shipped config's spec_k)")
     ap.add_argument("--ttft", default="", help="a checkpoint to time the first token of (e.g. a 218m synth)")
