@@ -426,29 +426,39 @@ def assert_counts_match(out, probes, counts):
         assert n == match, (at, proposal, out[at:at + 4])
 
 
+def heard_counts(monkeypatch) -> list:
+    """The accepted counts the cost governor hears from shadow probes, in order."""
+    from spel_mlx.decoding.governor import CostGovernor
+    counts, plain_round = [], CostGovernor.shadow_round
+
+    def shadow_round(self, accepted, proposed):
+        counts.append(accepted)
+        return plain_round(self, accepted, proposed)
+    monkeypatch.setattr(CostGovernor, "shadow_round", shadow_round)
+    return counts
+
+
+def probe_params(params: str):
+    return PARAMS[params] if params == "greedy" else SamplingParams(temperature=0.8, top_p=0.95, seed=5)
+
+
 @pytest.mark.parametrize("params", ["greedy", "sampled"])
 def test_a_shadow_probes_acceptance_is_what_a_verification_would_accept(monkeypatch, params):
     """Every unverified proposal's accepted count is the prefix of it that the emitted
     text matches at its position (what a verification there would have accepted), and
     the text is AR's; the drafting that follows the probes happens too (the draft agrees
     often enough)."""
-    from spel_mlx.decoding.governor import CostGovernor
     from spel_mlx.decoding.mlx_proposer import MLXProposer
-    shadows, counts = [], []
-    plain_shadow, plain_round = MLXProposer.shadow, CostGovernor.shadow_round
+    shadows, plain_shadow = [], MLXProposer.shadow
 
     def shadow(self, history, pending, k, params, seed):
         out = plain_shadow(self, history, pending, k, params, seed)
         shadows.append((len(dec.output), out))
         return out
-
-    def shadow_round(self, accepted, proposed):
-        counts.append(accepted)
-        return plain_round(self, accepted, proposed)
     monkeypatch.setattr(MLXProposer, "shadow", shadow)
-    monkeypatch.setattr(CostGovernor, "shadow_round", shadow_round)
+    counts = heard_counts(monkeypatch)
     model, w = agreeing_draft_model()
-    sp = PARAMS[params] if params == "greedy" else SamplingParams(temperature=0.8, top_p=0.95, seed=5)
+    sp = probe_params(params)
     p = prompt(9, 8)
     ref = decode(model, False, p, 200, params=sp)[0]
     # the cost prior at its extreme: every probe fails, so probes recur all call long
@@ -501,13 +511,11 @@ def test_a_c_draft_shadow_probe_runs_on_its_thread_and_counts_what_a_verificatio
     proposal which the emitted text matches where it was started, whenever it arrived."""
     from spel_mlx.decoding.factory import make_proposer, DraftOptions
     from spel_mlx.decoding.c_proposer import CDraftProposer
-    from spel_mlx.decoding.governor import CostGovernor
     from spel_mlx.native import clib
     if not clib.available():
         pytest.skip("C draft unavailable")
-    started, taken, counts = [], [], []
-    plain_start, plain_take, plain_round = CDraftProposer.shadow_start, CDraftProposer.shadow_take, \
-        CostGovernor.shadow_round
+    started, taken = [], []
+    plain_start, plain_take = CDraftProposer.shadow_start, CDraftProposer.shadow_take
 
     def shadow_start(self, history, pending, k, params, seed):
         ok = plain_start(self, history, pending, k, params, seed)
@@ -523,16 +531,12 @@ def test_a_c_draft_shadow_probe_runs_on_its_thread_and_counts_what_a_verificatio
 
     def shadow(self, *a):
         raise AssertionError("a synchronous shadow proposal")
-
-    def shadow_round(self, accepted, proposed):
-        counts.append(accepted)
-        return plain_round(self, accepted, proposed)
     monkeypatch.setattr(CDraftProposer, "shadow_start", shadow_start)
     monkeypatch.setattr(CDraftProposer, "shadow_take", shadow_take)
     monkeypatch.setattr(CDraftProposer, "shadow", shadow)
-    monkeypatch.setattr(CostGovernor, "shadow_round", shadow_round)
+    counts = heard_counts(monkeypatch)
     model, w = agreeing_draft_model()
-    sp = PARAMS[params] if params == "greedy" else SamplingParams(temperature=0.8, top_p=0.95, seed=5)
+    sp = probe_params(params)
     p = prompt(9, 8)
     ref = decode(model, False, p, 250, params=sp)[0]
     draft = make_proposer("c", model, w, k=4, options=DraftOptions(threads=1, ahead=True))

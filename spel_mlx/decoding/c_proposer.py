@@ -263,9 +263,14 @@ class CDraftAheadProposer(CDraftProposer):
             self._ready = None      # a kept continuation does not follow tokens committed without it
         super().sync(history)
 
-    def start_sync(self, history, background: bool = False):
+    def _end_continuation(self):
+        """Take or stop a drafted-ahead continuation still out (the native thread runs one
+        job at a time); a catch-up or shadow proposal out is left running."""
         if self._running or self._peeked is not None:
-            self._join()            # the native thread runs one job at a time
+            self._join()
+
+    def start_sync(self, history, background: bool = False):
+        self._end_continuation()
         if self.pos < len(history) and self._ready is not None:
             self._ready = None      # its rows are still in the draft's batch: one token fed drops them
             super().sync(history[:self.pos + 1])
@@ -323,8 +328,7 @@ class CDraftAheadProposer(CDraftProposer):
         return super().shadow(history, pending, k, params, seed)
 
     def shadow_start(self, history, pending, k, params, seed) -> bool:
-        if self._running or self._peeked is not None:
-            self._join()
+        self._end_continuation()
         self._ready = None
         return super().shadow_start(history, pending, k, params, seed)
 
