@@ -193,6 +193,27 @@ def test_cancel_between_rounds(shipped):
     assert first[1].generation_tokens <= req.stats["tokens"] < 3000
 
 
+def test_a_finished_call_frees_its_state_without_the_garbage_collector(shipped):
+    """The decoder's last call kept the caller's round callback, which reaches back to
+    the request holding the decoder: a cycle that held the call's ring and KV caches
+    until a collection, so every call took fresh memory."""
+    import gc
+    import weakref
+    model, tok = shipped
+    gc.collect()
+    gc.disable()
+    try:
+        for opts in ({}, {"temperature": 0}, {"mode": "ar"}):
+            req = prepare(model, tok, PROMPT, 24, **opts)
+            req.run()
+            decoder = weakref.ref(req.decoding.decoder)
+            state = weakref.ref(req.decoding.decoder.target.state)
+            del req
+            assert decoder() is None and state() is None, opts
+    finally:
+        gc.enable()
+
+
 def test_one_generation_at_a_time(shipped):
     model, tok = shipped
     want = {s: spel_mlx.generate(model, tok, PROMPT, max_tokens=48, seed=s) for s in (1, 2, 3, 4)}

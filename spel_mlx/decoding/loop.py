@@ -178,6 +178,10 @@ class SpeculativeDecoder:
                     proposer.governor_memory = gov.memory()
             if st.ar_rounds and st.ar_token_s is None:
                 st.ar_token_s = st.ar_s / st.ar_rounds
+            # the caller's callbacks usually reach back to whoever holds this decoder: kept,
+            # they would make a cycle that holds the call's state (ring, KV caches) until a
+            # garbage collection, and the next call would take fresh memory
+            call.on_tokens = call.on_round = None
         return out
 
     # -- the rounds of a call ----------------------------------------------------------
