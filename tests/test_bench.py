@@ -411,3 +411,39 @@ def test_ttft_times_fresh_processes_against_the_page_in(tmp_path):
     for mode in ("default", "ar"):
         s = got["summary"]["modes"][mode]
         assert all(s[k] > 0 for k in ("import", "load", "first", "wall")) and s["wall"] > s["load"] + s["first"]
+
+
+def test_decode_profile_per_round_subtracts_the_prefill():
+    from bench.decode_profile import per_round
+    before = {"block": (4, 0.010), "block.linear": (8, 0.006), "linear": (1, 0.001)}
+    prof = {"block": (24, 0.050), "block.linear": (48, 0.030), "block.delta": (9, 0.012),
+            "block.attend": (3, 0.004), "linear": (6, 0.006), "rowwise": (2, 0.002)}
+    got = per_round(prof, before, 10)
+    want = {"products": 2.4, "delta": 1.2, "attention": 0.4, "head": 0.5, "bodies": 4.0 + 0.5 + 0.2}
+    assert got.keys() == want.keys() and all(abs(got[k] - want[k]) < 1e-9 for k in want), got
+
+
+def test_decode_profile_times_both_modes(tmp_path):
+    """bench/decode_profile.py on a random-weight model: every call's pass bodies hold
+    their parts, and the verification rows have their wall time."""
+    from bench import decode_profile
+    from spel_mlx.model import cpu_ops
+    if os.environ.get("SPEL_REQUIRE_CPU_EXT") != "1" and not cpu_ops.available():
+        pytest.skip("spel_mlx._spel_cpu not built: " + cpu_ops.status()[1])
+    from spel_mlx.checkpoints import write_spelw
+    from spel_mlx.config import ModelConfig
+    from spel_mlx.model import init_weights
+    (tmp_path / "heldout.txt").write_text("a line of held-out text\n" * 200)
+    cfg = ModelConfig(d_model=64, n_layers=4, n_heads=2, head_dim=32, d_ff=96, vocab=128, max_seq=256,
+                      draft_map=(0, 3)).validate()
+    ck = tmp_path / "m.spelw"
+    write_spelw(str(ck), cfg, init_weights(cfg, seed=2))
+    out = tmp_path / "p.json"
+    assert decode_profile.main(["--model", str(ck), "--data", str(tmp_path), "--texts", "1", "--gen", "12",
+                                "--prompt", "16", "--repeats", "1", "--json", str(out)]) == 0
+    got = json.loads(out.read_text())
+    for mode in ("spec", "ar"):
+        (call,) = got["calls"][mode]
+        parts = call["products"] + call["delta"] + call["attention"] + call["head"]
+        assert 0 < parts <= call["bodies"] + 1e-9 and call["round"] > 0, (mode, call)
+        assert (call["verify"] is None) == (mode == "ar")
