@@ -371,21 +371,27 @@ def test_apply_placement_returns_a_working_draft(tiny_model):
         placement.apply_placement(off, model, weights)
 
 
-def test_wall_pairs_default_and_ar_processes(tmp_path):
-    """bench/wall.py: held-out prompts without end-of-text marks, and interleaved pairs of
-    fresh processes whose greedy outputs agree (a random-weight model, a few tokens)."""
-    from bench import wall
+def random_spelw(tmp_path):
+    """A small random-weight SPELW001 checkpoint (4 layers, vocab 128) in tmp_path."""
     from spel_mlx.checkpoints import write_spelw
     from spel_mlx.config import ModelConfig
     from spel_mlx.model import init_weights
-    (tmp_path / "heldout.txt").write_text("first line\n<|endoftext|>\nCHAPTER 2\n" + "word " * 400 + "\n" * 3 +
-                                         "more words here " * 100 + "\n")
-    prompts = wall.held_out_prompts(str(tmp_path), 2, chars=80)
-    assert len(prompts) == 2 and all(p and "endoftext" not in p and len(p) <= 80 for p in prompts)
     cfg = ModelConfig(d_model=64, n_layers=4, n_heads=2, head_dim=32, d_ff=96, vocab=128, max_seq=256,
                       draft_map=(0, 3)).validate()
     ck = tmp_path / "m.spelw"
     write_spelw(str(ck), cfg, init_weights(cfg, seed=2))
+    return ck
+
+
+def test_wall_pairs_default_and_ar_processes(tmp_path):
+    """bench/wall.py: held-out prompts without end-of-text marks, and interleaved pairs of
+    fresh processes whose greedy outputs agree (a random-weight model, a few tokens)."""
+    from bench import wall
+    (tmp_path / "heldout.txt").write_text("first line\n<|endoftext|>\nCHAPTER 2\n" + "word " * 400 + "\n" * 3 +
+                                         "more words here " * 100 + "\n")
+    prompts = wall.held_out_prompts(str(tmp_path), 2, chars=80)
+    assert len(prompts) == 2 and all(p and "endoftext" not in p and len(p) <= 80 for p in prompts)
+    ck = random_spelw(tmp_path)
     pf = tmp_path / "p.txt"
     pf.write_text(prompts[0])
     env = {**os.environ, "SPEL_GOVERNOR_STORE": "0"}
@@ -397,13 +403,7 @@ def test_ttft_times_fresh_processes_against_the_page_in(tmp_path):
     """bench/ttft.py: one run per mode in fresh processes (a random-weight model), each
     phase timed and positive, the page-in reading exactly the file's bytes."""
     from bench import ttft
-    from spel_mlx.checkpoints import write_spelw
-    from spel_mlx.config import ModelConfig
-    from spel_mlx.model import init_weights
-    cfg = ModelConfig(d_model=64, n_layers=4, n_heads=2, head_dim=32, d_ff=96, vocab=128, max_seq=256,
-                      draft_map=(0, 3)).validate()
-    ck = tmp_path / "m.spelw"
-    write_spelw(str(ck), cfg, init_weights(cfg, seed=2))
+    ck = random_spelw(tmp_path)
     out = tmp_path / "t.json"
     assert ttft.main(["--model", str(ck), "--runs", "1", "--json", str(out)]) == 0
     got = json.loads(out.read_text())
@@ -430,14 +430,8 @@ def test_decode_profile_times_both_modes(tmp_path):
     from spel_mlx.model import cpu_ops
     if os.environ.get("SPEL_REQUIRE_CPU_EXT") != "1" and not cpu_ops.available():
         pytest.skip("spel_mlx._spel_cpu not built: " + cpu_ops.status()[1])
-    from spel_mlx.checkpoints import write_spelw
-    from spel_mlx.config import ModelConfig
-    from spel_mlx.model import init_weights
     (tmp_path / "heldout.txt").write_text("a line of held-out text\n" * 200)
-    cfg = ModelConfig(d_model=64, n_layers=4, n_heads=2, head_dim=32, d_ff=96, vocab=128, max_seq=256,
-                      draft_map=(0, 3)).validate()
-    ck = tmp_path / "m.spelw"
-    write_spelw(str(ck), cfg, init_weights(cfg, seed=2))
+    ck = random_spelw(tmp_path)
     out = tmp_path / "p.json"
     assert decode_profile.main(["--model", str(ck), "--data", str(tmp_path), "--texts", "1", "--gen", "12",
                                 "--prompt", "16", "--repeats", "1", "--json", str(out)]) == 0
