@@ -64,8 +64,8 @@ def main(argv=None) -> int:
         print(f"the fused CPU primitives are not here ({cpu_ops.status()[1]}): nothing to profile", file=sys.stderr)
         return 1
     cpu = cpu_ops._spel_cpu
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    from heldout_decode import heldout_prompts
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    from bench.heldout_decode import heldout_prompts
 
     model, tok = load(args.model) if args.model else load()
     texts = heldout_prompts(tok, args.data, args.texts, args.prompt)

@@ -438,8 +438,14 @@ def heard_counts(monkeypatch) -> list:
     return counts
 
 
-def probe_params(params: str):
-    return PARAMS[params] if params == "greedy" else SamplingParams(temperature=0.8, top_p=0.95, seed=5)
+def probe_setup(monkeypatch, params: str, n: int):
+    """What both shadow-probe tests start from: the counts the governor will hear, the
+    agreeing draft model and its weights, the sampling, the prompt and AR's n tokens."""
+    counts = heard_counts(monkeypatch)
+    model, w = agreeing_draft_model()
+    sp = PARAMS[params] if params == "greedy" else SamplingParams(temperature=0.8, top_p=0.95, seed=5)
+    p = prompt(9, 8)
+    return counts, model, w, sp, p, decode(model, False, p, n, params=sp)[0]
 
 
 @pytest.mark.parametrize("params", ["greedy", "sampled"])
@@ -456,11 +462,7 @@ def test_a_shadow_probes_acceptance_is_what_a_verification_would_accept(monkeypa
         shadows.append((len(dec.output), out))
         return out
     monkeypatch.setattr(MLXProposer, "shadow", shadow)
-    counts = heard_counts(monkeypatch)
-    model, w = agreeing_draft_model()
-    sp = probe_params(params)
-    p = prompt(9, 8)
-    ref = decode(model, False, p, 200, params=sp)[0]
+    counts, model, w, sp, p, ref = probe_setup(monkeypatch, params, 200)
     # the cost prior at its extreme: every probe fails, so probes recur all call long
     dec = SpeculativeDecoder(model, MLXProposer(model, "draft", ring=5), "spec", k=4, params=sp,
                              options=DecodeOptions(governor=GovernorConfig(prior_cost=100.0, backoff_growth=1)))
@@ -534,11 +536,7 @@ def test_a_c_draft_shadow_probe_runs_on_its_thread_and_counts_what_a_verificatio
     monkeypatch.setattr(CDraftProposer, "shadow_start", shadow_start)
     monkeypatch.setattr(CDraftProposer, "shadow_take", shadow_take)
     monkeypatch.setattr(CDraftProposer, "shadow", shadow)
-    counts = heard_counts(monkeypatch)
-    model, w = agreeing_draft_model()
-    sp = probe_params(params)
-    p = prompt(9, 8)
-    ref = decode(model, False, p, 250, params=sp)[0]
+    counts, model, w, sp, p, ref = probe_setup(monkeypatch, params, 250)
     draft = make_proposer("c", model, w, k=4, options=DraftOptions(threads=1, ahead=True))
     dec = SpeculativeDecoder(model, draft, "spec", k=4, params=sp,      # every probe fails: they recur
                              options=DecodeOptions(governor=GovernorConfig(prior_cost=100.0, backoff_growth=1)))
